@@ -1,0 +1,111 @@
+"""A preallocated KV cache written in place (as gpt-fast does), plugged into transformers' Cache API.
+
+Row b of the batch owns a fixed buffer of ``capacity`` slots per layer. ``valid[b, j]`` says
+whether slot j holds a real token for row b; padding slots are masked out. Every forward
+passes explicit position ids and a 4-D additive mask built here, so rows may hold prompts of
+different lengths (padding in the middle of a row is fine) while every row sees exactly the
+positions and keys of its own sequential prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class BufferLayer(CacheLayerMixin):
+    """One layer's keys/values [B, H, capacity, D]; ``update`` writes at the cursor, never concatenates."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.length = length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"KV buffer full: {end} slots needed, {self.keys.shape[-2]} allocated")
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class BufferCache(Cache):
+    """All layers' buffers: keys/values of shape [layers, B, H, capacity, D]."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0):
+        super().__init__(layers=[BufferLayer(k, v, length) for k, v in zip(keys, values)])
+        self.key_buffer, self.value_buffer = keys, values
+
+    @classmethod
+    def allocate(cls, model: torch.nn.Module, batch: int, capacity: int) -> "BufferCache":
+        config = model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        param = next(model.parameters())
+        shape = (config.num_hidden_layers, batch, heads, capacity, head_dim)
+        keys = torch.zeros(shape, dtype=param.dtype, device=param.device)
+        return cls(keys, torch.zeros_like(keys))
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            layer.length = length
+
+
+def additive_mask(valid: torch.Tensor, start: int, query_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, q, start+q] mask: query i (slot start+i) sees valid slots j <= start+i."""
+    total = start + query_length
+    slots = torch.arange(total, device=valid.device)
+    queries = torch.arange(start, total, device=valid.device)
+    allowed = valid[:, None, None, :total] & (slots[None, :] <= queries[:, None])[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+@torch.inference_mode()
+def forward_slots(
+    model: torch.nn.Module,
+    cache: BufferCache,
+    valid: torch.Tensor,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    last_only: bool = True,
+) -> torch.Tensor:
+    """Run ``input_ids [B, q]`` at the cache cursor; returns logits [B, V] (last position) or [B, q, V].
+
+    ``valid`` must already mark which of the new slots hold real tokens (left padding stays False).
+    """
+    start, query_length = cache.length, input_ids.shape[1]
+    mask = additive_mask(valid, start, query_length, cache.key_buffer.dtype)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1 if last_only else 0,
+    )
+    logits = out.logits
+    return logits[:, -1] if last_only else logits

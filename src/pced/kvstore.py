@@ -1,0 +1,229 @@
+"""Per-document KV caches: encode once (attending to the shared prefix), store as safetensors, load lazily.
+
+Layout of a store directory::
+
+    kvstore.json                      what the caches were built for (model, tokenizer, template, dtype)
+    prefix.safetensors                the shared prefix's KV, positions 0..P-1
+    kv/<h[:2]>/<h>.safetensors        one document's KV, positions P..P+L-1; h = sha256 of its context text
+
+Files are content-addressed, so re-indexing skips documents already stored and two ids with the
+same text share one file. Every file is written to a temporary name and renamed, so a killed
+run leaves either a complete file or none. Keys are stored after RoPE, at the absolute positions
+the document has in the sequential prompt prefix + document + suffix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .cache import BufferCache, forward_slots
+from .llm import DTYPES, LoadedModel
+from .prompts import PromptBuilder
+
+FORMAT_VERSION = 1
+
+
+class CacheError(RuntimeError):
+    """A stored cache that cannot be used: built for another model/template, or damaged."""
+
+
+@dataclass
+class DocKV:
+    """One segment's cache: keys/values [layers, kv_heads, tokens, head_dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[2]
+
+
+def content_hash(context_text: str) -> str:
+    return hashlib.sha256(context_text.encode("utf-8")).hexdigest()
+
+
+def _kv_from_cache(cache: BufferCache, row: int, start: int, end: int) -> DocKV:
+    return DocKV(
+        keys=cache.key_buffer[:, row, :, start:end].clone(),
+        values=cache.value_buffer[:, row, :, start:end].clone(),
+    )
+
+
+@torch.inference_mode()
+def encode_prefix(llm: LoadedModel, prefix_ids: list[int]) -> DocKV:
+    cache = BufferCache.allocate(llm.model, 1, len(prefix_ids))
+    valid = torch.ones(1, len(prefix_ids), dtype=torch.bool, device=llm.device)
+    ids = torch.tensor([prefix_ids], device=llm.device)
+    positions = torch.arange(len(prefix_ids), device=llm.device)[None]
+    forward_slots(llm.model, cache, valid, ids, positions)
+    return _kv_from_cache(cache, 0, 0, len(prefix_ids))
+
+
+@torch.inference_mode()
+def encode_documents(llm: LoadedModel, prefix: DocKV, documents: list[list[int]]) -> list[DocKV]:
+    """Encode a batch of documents after the shared prefix in one forward (right-padded)."""
+    prefix_len, longest = prefix.n_tokens, max(len(ids) for ids in documents)
+    batch = len(documents)
+    cache = BufferCache.allocate(llm.model, batch, prefix_len + longest)
+    cache.key_buffer[:, :, :, :prefix_len] = prefix.keys[:, None].to(cache.key_buffer.dtype)
+    cache.value_buffer[:, :, :, :prefix_len] = prefix.values[:, None].to(cache.value_buffer.dtype)
+    cache.set_length(prefix_len)
+    valid = torch.ones(batch, prefix_len + longest, dtype=torch.bool, device=llm.device)
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((batch, longest), pad, dtype=torch.long, device=llm.device)
+    for row, doc in enumerate(documents):
+        ids[row, : len(doc)] = torch.tensor(doc, device=llm.device)
+    positions = torch.arange(prefix_len, prefix_len + longest, device=llm.device)[None].expand(batch, -1)
+    # Right padding: a real token never sees a later pad, so the stored part is exact.
+    forward_slots(llm.model, cache, valid, ids, positions)
+    return [_kv_from_cache(cache, row, prefix_len, prefix_len + len(doc)) for row, doc in enumerate(documents)]
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_json(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class KVStore:
+    """A directory of per-document caches for one (model, tokenizer, template, storage dtype)."""
+
+    def __init__(self, root: str | os.PathLike, llm: LoadedModel, builder: PromptBuilder, storage_dtype: str = "float16"):
+        if storage_dtype not in DTYPES:
+            raise ValueError(f"storage dtype must be one of {', '.join(DTYPES)}, got {storage_dtype!r}")
+        self.root = Path(root)
+        self.llm, self.builder = llm, builder
+        self.storage_dtype = storage_dtype
+        self.identity = {
+            "format": FORMAT_VERSION,
+            "model": llm.name,
+            "model_fingerprint": llm.fingerprint,
+            "tokenizer_hash": llm.tokenizer_hash,
+            "template": builder.template.name,
+            "template_hash": builder.digest(),
+            "storage_dtype": storage_dtype,
+        }
+        self._check_or_create_manifest()
+        self._prefix: DocKV | None = None
+
+    # -- identity -------------------------------------------------------------------------
+    def _check_or_create_manifest(self) -> None:
+        manifest = self.root / "kvstore.json"
+        if manifest.is_file():
+            try:
+                stored = json.loads(manifest.read_text())
+            except json.JSONDecodeError as exc:
+                raise CacheError(f"{manifest} is not valid JSON ({exc.msg}); the store is damaged") from exc
+            for key, expected in self.identity.items():
+                if stored.get(key) != expected:
+                    raise CacheError(
+                        f"KV store {self.root} was built for {key}={stored.get(key)!r}, this run uses {expected!r}; "
+                        "use another directory or rebuild it"
+                    )
+            return
+        atomic_write_json(self.identity, manifest)
+
+    def _metadata(self, content: str, n_tokens: int) -> dict[str, str]:
+        meta = {k: str(v) for k, v in self.identity.items()}
+        meta.update(content_hash=content, n_tokens=str(n_tokens))
+        return meta
+
+    # -- paths ----------------------------------------------------------------------------
+    def path_for(self, digest: str) -> Path:
+        return self.root / "kv" / digest[:2] / f"{digest}.safetensors"
+
+    def has(self, digest: str) -> bool:
+        return self.path_for(digest).is_file()
+
+    # -- prefix ---------------------------------------------------------------------------
+    def prefix(self) -> DocKV:
+        if self._prefix is None:
+            path = self.root / "prefix.safetensors"
+            if not path.is_file():
+                kv = encode_prefix(self.llm, self.builder.prefix_ids)
+                self._save(kv, "prefix", path)
+            self._prefix = self._read(path, "prefix", len(self.builder.prefix_ids))
+        return self._prefix
+
+    # -- documents ------------------------------------------------------------------------
+    def context_texts(self, documents: list[str]) -> list[str]:
+        return [self.builder.context_text([doc]) for doc in documents]
+
+    def add(self, documents: list[str], batch_size: int = 4, progress: bool = True) -> list[str]:
+        """Encode and store the documents not stored yet; returns every document's content hash."""
+        texts = self.context_texts(documents)
+        digests = [content_hash(text) for text in texts]
+        todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
+        if todo:
+            prefix = self.prefix()
+            items = sorted(todo.items(), key=lambda item: len(item[1]))  # similar lengths pad less
+            bar = tqdm(total=len(items), desc="encoding documents", unit="doc", disable=not progress)
+            for start in range(0, len(items), batch_size):
+                chunk = items[start : start + batch_size]
+                token_ids = [self.builder._encode(text) for _, text in chunk]
+                for (digest, _), kv in zip(chunk, encode_documents(self.llm, prefix, token_ids)):
+                    self._save(kv, digest, self.path_for(digest))
+                bar.update(len(chunk))
+            bar.close()
+        return digests
+
+    def _save(self, kv: DocKV, digest: str, path: Path) -> None:
+        dtype = DTYPES[self.storage_dtype]
+        _atomic_save(
+            {"keys": kv.keys.to("cpu", dtype), "values": kv.values.to("cpu", dtype)},
+            self._metadata(digest, kv.n_tokens),
+            path,
+        )
+
+    def load(self, digest: str) -> DocKV:
+        """A document's cache, memory-mapped from disk (the tensors are views until copied)."""
+        path = self.path_for(digest)
+        if not path.is_file():
+            raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
+        return self._read(path, digest, None)
+
+    def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                keys, values = handle.get_tensor("keys"), handle.get_tensor("values")
+        except Exception as exc:  # safetensors raises several types for damaged files
+            raise CacheError(f"cache file {path} is damaged or not a pced cache ({exc}); delete it and re-index") from exc
+        for key, expected in self.identity.items():
+            if meta.get(key) != str(expected):
+                raise CacheError(f"cache file {path} was built for {key}={meta.get(key)!r}, expected {expected!r}")
+        if meta.get("content_hash") != digest or keys.shape != values.shape or keys.dim() != 4:
+            raise CacheError(f"cache file {path} does not hold the document it is named after; delete it and re-index")
+        n_tokens = int(meta.get("n_tokens", -1))
+        if keys.shape[2] != n_tokens or (expected_tokens is not None and n_tokens != expected_tokens):
+            raise CacheError(f"cache file {path} has {keys.shape[2]} tokens, its metadata says {n_tokens}")
+        return DocKV(keys=keys, values=values)

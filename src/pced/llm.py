@@ -168,7 +168,9 @@ def load_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # pced draws its own progress; a bar per load is noise
     if path is None or str(path) in ("", "embedded", EMBEDDED_NAME):
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:

@@ -1,0 +1,57 @@
+"""Human-readable answers: every token coloured by the document that won it, plus a legend."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich.console import Console
+from rich.text import Text
+
+from .decoding import Answer
+
+PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
+AMATEUR_STYLE = "dim"
+
+
+def doc_styles(doc_ids: Sequence[str]) -> dict[str, str]:
+    return {doc_id: PALETTE[i % len(PALETTE)] for i, doc_id in enumerate(doc_ids)}
+
+
+def coloured_answer(answer: Answer, doc_ids: Sequence[str]) -> Text:
+    styles = doc_styles(doc_ids)
+    text = Text()
+    for step in answer.trace:
+        text.append(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold")
+    return text
+
+
+def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
+    """One line per expert: colour, id, relevance, how many tokens it won."""
+    ids = [c.document.id for c in candidates]
+    styles = doc_styles(ids)
+    wins: dict[str | None, int] = {}
+    for step in answer.trace:
+        wins[step.doc_id] = wins.get(step.doc_id, 0) + 1
+    text = Text()
+    for c in candidates:
+        label = c.document.title or c.document.text[:50]
+        text.append("  ■ ", style=styles[c.document.id])
+        text.append(f"{c.document.id}  r={c.relevance:.3f}  tokens won: {wins.get(c.document.id, 0):>3}")
+        text.append(f"  {label}\n" if titles else "\n", style="dim")
+    if wins.get(None):
+        text.append("  ■ ", style=AMATEUR_STYLE)
+        text.append(f"amateur (no document)  tokens won: {wins[None]}\n")
+    return text
+
+
+def print_answer(answer: Answer, candidates: Sequence, console: Console | None = None) -> None:
+    console = console or Console(highlight=False)
+    console.print(coloured_answer(answer, [c.document.id for c in candidates]))
+    if answer.amateur_only:
+        console.print("[dim](no documents: answered from the model alone)[/dim]")
+    console.print(legend(answer, candidates), end="")
+    t = answer.timings
+    console.print(
+        f"[dim]time to first token {t.get('ttft_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s, "
+        f"{len(answer.trace)} tokens, beta={['%.3f' % b for b in answer.betas]}[/dim]"
+    )

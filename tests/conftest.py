@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama built by the tests (exactness) and the embedded model (integration)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer_dir() -> Path:
+    from pced.llm import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir) -> Path:
+    """A 2-layer random Llama (GQA, the embedded model's tokenizer and chat template), saved locally."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.2,  # peaky logits: greedy choices are not decided by rounding
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    from pced.llm import load_model
+
+    return load_model(tiny_model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    from pced.llm import load_model
+
+    return load_model(device="cpu", dtype="float32")

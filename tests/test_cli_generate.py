@@ -1,0 +1,69 @@
+"""`pced generate` end to end in a subprocess, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CONTRACT_KEYS = {"answer", "method", "experts", "trace", "beta", "timings"}
+
+
+def run_cli(args, env_extra=None, cwd=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "pced.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+@pytest.fixture
+def docs_file(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(
+        json.dumps({"id": "a", "text": "Mira Quell founded Zorblax.", "score": 0.9}) + "\n"
+        + json.dumps({"id": "b", "text": "Mira Quell was born in Oskvale.", "score": 0.6, "title": "Quell"}) + "\n"
+    )
+    return path
+
+
+def test_generate_json_follows_the_contract(tiny_model_dir, docs_file, tmp_path):
+    result = run_cli(["generate", "--docs", str(docs_file), "--question", "Where was the founder born?", "--json",
+                      "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-dir", str(tmp_path / "kv")])
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert CONTRACT_KEYS <= set(out)
+    assert out["method"] == "pced"
+    assert [e["doc_id"] for e in out["experts"]] == ["a", "b"]
+    assert [e["relevance"] for e in out["experts"]] == [0.9, 0.6]
+    assert 1 <= len(out["trace"]) <= 8
+    assert all(t["doc_id"] in {"a", "b", None} and isinstance(t["token"], str) for t in out["trace"])
+    assert "".join(t["token"] for t in out["trace"]) == out["answer"]
+    assert len(out["beta"]) == 2
+    assert {"retrieval_s", "cache_load_s", "ttft_s", "total_s"} <= set(out["timings"])
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"id": "a", "text": "x", "score": 0.5}\n{not json}\n', "invalid JSON"),
+        ('{"id": "a", "text": "", "score": 0.5}\n', "non-empty"),
+        ('{"id": "a", "text": "x", "score": 1.5}\n', "score"),
+        ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate id"),
+    ],
+)
+def test_bad_docs_give_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    result = run_cli(["generate", "--docs", str(path), "--question", "q?", "--model", str(tmp_path / "none")])
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_model_and_bad_flags(tmp_path, docs_file):
+    result = run_cli(["generate", "--docs", str(docs_file), "--question", "q?", "--model", str(tmp_path / "nowhere")])
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    (tmp_path / "notlm").mkdir()
+    (tmp_path / "notlm" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    result = run_cli(["generate", "--docs", str(docs_file), "--question", "q?", "--model", str(tmp_path / "notlm")])
+    assert result.returncode == 2 and result.stderr.startswith("pced: error:")
+    result = run_cli(["generate", "--docs", str(docs_file), "--question", "q?", "--beta", "often"])
+    assert result.returncode == 2

@@ -1,0 +1,111 @@
+"""Batched expert decoding on a tiny random Llama: exactness against plain transformers."""
+
+import pytest
+import torch
+
+from pced.decoding import Expert, Generation, SamplingConfig, generate
+from pced.kvstore import encode_documents, encode_prefix
+from pced.prompts import PromptBuilder
+from pced.rule import AMATEUR, RuleConfig
+
+QUESTION = "Which town was the founder born in?"
+DOCS = [
+    "Mira Quell founded the Zorblax company.",
+    "Mira Quell was born in the town of Oskvale, which lies on the northern shore of Lake Tarnow. " * 6,
+    "Oskvale is a fishing town. It has a copper-roofed harbour and " + "a long pier. " * 40,
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llm):
+    builder = PromptBuilder(tiny_llm.tokenizer)
+    prefix = encode_prefix(tiny_llm, builder.prefix_ids)
+    caches = encode_documents(tiny_llm, prefix, [builder.context_ids([d]) for d in DOCS])
+    return tiny_llm, builder, prefix, caches
+
+
+def experts_for(caches, relevances=None):
+    relevances = relevances or [0.9, 0.7, 0.5][: len(caches)]
+    return [Expert(f"d{i}", r, lambda kv=kv: kv) for i, (kv, r) in enumerate(zip(caches, relevances))]
+
+
+def reference_greedy(llm, ids, n):
+    out = llm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids) :].tolist()
+
+
+def test_one_expert_beta0_gamma0_is_plain_greedy(setup):
+    llm, builder, prefix, caches = setup
+    assert len({kv.n_tokens for kv in caches}) == 3  # very different lengths
+    for k, doc in enumerate(DOCS):
+        reference = reference_greedy(llm, builder.prompt_ids([doc], QUESTION), 24)
+        eos = llm.eos_token_ids()
+        if any(t in eos for t in reference):
+            reference = reference[: min(reference.index(t) for t in eos if t in reference)]
+        answer = generate(
+            llm,
+            prefix,
+            experts_for([caches[k]]),
+            builder.suffix_ids(QUESTION),
+            builder.suffix_ids(QUESTION, with_context=False),
+            RuleConfig(beta=0.0, gamma=0.0),
+            SamplingConfig(max_new_tokens=24),
+        )
+        assert answer.token_ids == reference
+        assert all(step.winner == 0 and step.doc_id == "d0" for step in answer.trace)
+
+
+def test_no_documents_answers_from_the_amateur(setup):
+    llm, builder, prefix, _ = setup
+    reference = reference_greedy(llm, builder.prompt_ids([], QUESTION), 12)
+    answer = generate(llm, prefix, [], builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False), sampling=SamplingConfig(max_new_tokens=12))
+    assert answer.amateur_only
+    assert answer.token_ids == reference[: len(answer.token_ids)] and answer.token_ids
+    assert all(step.winner == AMATEUR and step.doc_id is None for step in answer.trace)
+
+
+def test_batching_is_invisible(setup):
+    """Each row's logits in the padded batch equal a plain forward over that expert's own sequence."""
+    llm, builder, prefix, caches = setup
+    generation = Generation(
+        llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+        RuleConfig(), SamplingConfig(max_new_tokens=6),
+    )
+    per_step = []
+    for step in generation:
+        per_step.append((step.token_id, generation.last_logits.clone()))
+    assert len(per_step) >= 4
+    generated = [token for token, _ in per_step]
+    rows = [builder.prompt_ids([], QUESTION)] + [builder.prompt_ids([d], QUESTION) for d in DOCS]
+    for step in (0, 3):
+        batch_logits = per_step[step][1]
+        for row, ids in enumerate(rows):
+            with torch.inference_mode():
+                alone = llm.model(torch.tensor([ids + generated[:step]])).logits[0, -1]
+            diff = (batch_logits[row] - alone).abs().max().item()
+            assert diff <= 1e-4, (step, row, diff)
+
+
+def test_sampling_is_seeded_and_respects_max_new_tokens(setup):
+    llm, builder, prefix, caches = setup
+    run = lambda seed: generate(
+        llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+        RuleConfig(), SamplingConfig(max_new_tokens=10, temperature=1.5, top_k=50, top_p=0.9, seed=seed),
+    ).token_ids
+    assert run(1) == run(1)
+    assert len(run(1)) <= 10
+    assert run(1) != run(2) or run(1) != run(3)
+
+
+def test_stop_string_and_timings(setup):
+    llm, builder, prefix, caches = setup
+    full = generate(llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+                    sampling=SamplingConfig(max_new_tokens=12))
+    assert set(full.timings) == {"cache_load_s", "ttft_s", "total_s"}
+    assert 0 < full.timings["ttft_s"] <= full.timings["total_s"]
+    assert len(full.betas) == 3
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    if stop.strip():
+        cut = generate(llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+                       sampling=SamplingConfig(max_new_tokens=12, stop=(stop,)))
+        assert cut.text == full.text[: full.text.find(stop)]

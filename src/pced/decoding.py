@@ -117,7 +117,13 @@ class TextTracker:
 
 
 class Generation:
-    """Iterate to stream Steps; afterwards ``answer()`` has the text, trace, betas and timings."""
+    """Iterate to stream Steps; afterwards ``answer()`` has the text, trace, betas and timings.
+
+    Subclasses (the baselines) reuse this loop and override ``_prefill`` (build the cache and
+    the first logits), ``_scores`` (logits -> vocabulary scores and winner) and ``_forward``.
+    """
+
+    method = "pced"
 
     def __init__(
         self,
@@ -187,7 +193,7 @@ class Generation:
         cache, valid, position, logits = self._prefill()
         for index in range(self.sampling.max_new_tokens):
             self.last_logits = logits
-            scores, winner_of = self.rule.scores(logits)
+            scores, winner_of = self._scores(logits)
             token = pick_token(scores, self.sampling, generator)
             winner = winner_of(token)
             if index == 0:
@@ -195,17 +201,26 @@ class Generation:
             piece = self.tracker.push(token)
             if token in self.tracker.eos_ids:
                 break
-            step = Step(index, token, piece, winner, None if winner == AMATEUR else self.experts[winner].doc_id)
+            step = Step(index, token, piece, winner, self._doc_id(winner))
             self.trace.append(step)
             yield step
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
                 break
             ids = torch.full((len(position), 1), token, device=position.device)
             valid[:, cache.length] = True
-            logits = forward_slots(self.llm.model, cache, valid, ids, position[:, None])
+            logits = self._forward(cache, valid, ids, position[:, None])
             position = position + 1
         self.timings["total_s"] = time.perf_counter() - started
         self.timings.setdefault("ttft_s", self.timings["total_s"])
+
+    def _scores(self, logits: torch.Tensor):
+        return self.rule.scores(logits)
+
+    def _forward(self, cache: BufferCache, valid: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return forward_slots(self.llm.model, cache, valid, ids, positions)
+
+    def _doc_id(self, winner: int) -> str | None:
+        return None if winner == AMATEUR else self.experts[winner].doc_id
 
     def answer(self) -> Answer:
         if "total_s" not in self.timings:
@@ -215,8 +230,9 @@ class Generation:
             text=self.tracker.text,
             token_ids=list(self.tracker.ids),
             trace=self.trace,
-            betas=self.rule.betas(),
+            betas=self.rule.betas() if self.rule is not None else [],
             timings=dict(self.timings),
+            method=self.method,
             amateur_only=not self.experts,
             stats=dict(self.stats),
         )

@@ -1,0 +1,1 @@
+"""Baselines under identical prompts and candidates: all, single (concatenation), ape, mapreduce."""

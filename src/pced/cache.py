@@ -92,6 +92,7 @@ def forward_slots(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     last_only: bool = True,
+    **model_kwargs,
 ) -> torch.Tensor:
     """Run ``input_ids [B, q]`` at the cache cursor; returns logits [B, V] (last position) or [B, q, V].
 
@@ -106,6 +107,7 @@ def forward_slots(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1 if last_only else 0,
+        **model_kwargs,  # reach the attention function (transformers passes them through)
     )
     logits = out.logits
     return logits[:, -1] if last_only else logits

@@ -35,6 +35,7 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -61,6 +62,7 @@ class Step:
     text: str
     winner: int
     doc_id: str | None
+    support: list[float] = field(default_factory=list)  # s_hat_k[token] per expert (PCED only)
 
 
 @dataclass
@@ -100,6 +102,10 @@ class TextTracker:
         self.ids: list[int] = []
         self.text = ""
         self.finished = False
+
+    @classmethod
+    def for_model(cls, llm: LoadedModel, sampling: SamplingConfig) -> "TextTracker":
+        return cls(llm.tokenizer, set() if sampling.ignore_eos else llm.eos_token_ids(), sampling.stop)
 
     def push(self, token: int) -> str:
         """Add a token; returns the text it adds (empty for EOS) and sets ``finished``."""
@@ -143,7 +149,7 @@ class Generation:
         self.rule_config, self.sampling = rule, sampling
         relevance = torch.tensor([e.relevance for e in self.experts], dtype=torch.float32)
         self.rule = ContrastiveRule(rule, relevance)
-        self.tracker = TextTracker(llm.tokenizer, llm.eos_token_ids(), sampling.stop)
+        self.tracker = TextTracker.for_model(llm, sampling)
         self.trace: list[Step] = []
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
@@ -184,7 +190,10 @@ class Generation:
             ids[row, pad:] = torch.tensor(suffix, device=device)
             positions[row] = prefix_len + length + torch.arange(suffix_len, device=device) - pad
             valid[row, prefix_len + longest + pad : prefix_len + longest + suffix_len] = True
+        suffix_started = time.perf_counter()
         logits = forward_slots(self.llm.model, cache, valid, ids, positions)
+        # The floor of PCED's time to first token: one suffix forward for all k+1 rows.
+        self.timings["suffix_forward_s"] = time.perf_counter() - suffix_started
         return cache, valid, positions[:, -1] + 1, logits
 
     def __iter__(self) -> Iterator[Step]:
@@ -201,7 +210,7 @@ class Generation:
             piece = self.tracker.push(token)
             if token in self.tracker.eos_ids:
                 break
-            step = Step(index, token, piece, winner, self._doc_id(winner))
+            step = Step(index, token, piece, winner, self._doc_id(winner), self._support(token))
             self.trace.append(step)
             yield step
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
@@ -218,6 +227,9 @@ class Generation:
 
     def _forward(self, cache: BufferCache, valid: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return forward_slots(self.llm.model, cache, valid, ids, positions)
+
+    def _support(self, token: int) -> list[float]:
+        return self.rule.support(token) if self.rule is not None else []
 
     def _doc_id(self, winner: int) -> str | None:
         return None if winner == AMATEUR else self.experts[winner].doc_id

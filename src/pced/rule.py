@@ -151,6 +151,7 @@ class ContrastiveRule:
         self.config = config
         self.relevance = relevance.float()
         self.beta: torch.Tensor | None = None
+        self.last_s_hat: torch.Tensor | None = None
         if not isinstance(config.beta, str):
             self.beta = torch.full((len(relevance),), float(config.beta))
 
@@ -171,7 +172,12 @@ class ContrastiveRule:
         elif self.config.beta == "elementwise":
             self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
         s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance)
+        self.last_s_hat = s_hat  # per-expert calibrated scores, for traces
         return aggregate(s_hat, amateur, self.relevance, self.config)
+
+    def support(self, token: int) -> list[float]:
+        """Each expert's calibrated score s_hat_k[token] at the latest step (empty without experts)."""
+        return [] if self.last_s_hat is None else self.last_s_hat[:, token].tolist()
 
     def choose(self, logits: torch.Tensor) -> Choice:
         """Greedy choice: argmax of the aggregated scores (lowest token id on ties)."""

@@ -31,7 +31,7 @@ class PlainGeneration(Generation):
         self.llm, self.sampling, self.method = llm, sampling, method
         self.prompt_ids = list(prompt_ids)
         self.experts = []
-        self.tracker = TextTracker(llm.tokenizer, llm.eos_token_ids(), sampling.stop)
+        self.tracker = TextTracker.for_model(llm, sampling)
         self.trace, self.timings, self.stats = [], {}, {}
         self.last_logits = None
         self.rule = None

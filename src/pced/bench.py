@@ -1,0 +1,215 @@
+"""``pced bench``: time to first token, decode cost and storage of PCED against concatenation.
+
+Everything runs in one process and one run so that ratios are fair on a noisy machine; every
+number is the median over ``repeats``. Documents come from the synthetic secret-code set (exactly
+L tokens each, one gold document), as in the paper's latency benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .baselines.concat import PlainGeneration
+from .decoding import Expert, Generation, SamplingConfig
+from .documents import Document
+from .engine import Engine
+from .kvstore import KVStore, atomic_write_json
+from .llm import LoadedModel
+from .prompts import RAG_TEMPLATE, PromptBuilder
+
+
+@dataclass
+class BenchConfig:
+    ks: tuple[int, ...] = (4, 8, 16, 32, 64)
+    doc_tokens: tuple[int, ...] = (256, 448)
+    new_tokens: int = 16  # for per-token decode time
+    repeats: int = 3
+    storage_dtype: str = "float16"
+    methods: tuple[str, ...] = ("pced", "all")
+    cold: bool = True  # also measure PCED with the cache files evicted from the page cache
+    out: str = "runs/bench"
+    seed: int = 42
+    extra: dict = field(default_factory=dict)
+
+
+def evict_from_page_cache(paths: list[Path]) -> None:
+    """Drop the files' pages so the next read comes from disk (POSIX_FADV_DONTNEED, no root needed)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _run(generation) -> dict:
+    steps = list(generation)
+    t = dict(generation.timings)
+    n = len(steps)
+    t["new_tokens"] = n
+    t["decode_per_token_s"] = (t["total_s"] - t["ttft_s"]) / (n - 1) if n > 1 else float("nan")
+    return t
+
+
+def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: int) -> tuple[list[Document], str, list[str]]:
+    from .evaluation.secret_code import make_secret_code
+
+    dataset = make_secret_code(llm.tokenizer, n_docs=n_docs, doc_tokens=doc_tokens, seed=seed)
+    example = dataset.examples[0]
+    return list(example.documents), example.question, list(example.gold_doc_ids)
+
+
+def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar) -> dict:
+    docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
+    # gold first, so every k includes the document that holds the answer
+    docs.sort(key=lambda d: d.id not in gold)
+    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
+    store_dir = root / f"kv-L{doc_tokens}-{cfg.storage_dtype}"
+    store = KVStore(store_dir, llm, builder, cfg.storage_dtype)
+    started = time.perf_counter()
+    digests = store.add([d.render() for d in docs], progress=False)
+    index_s = time.perf_counter() - started
+    files = [store.path_for(h) for h in digests]
+    stored_tokens = sum(store.load(h).n_tokens for h in digests)
+    storage = {
+        "index_s": index_s,
+        "documents": len(docs),
+        "tokens": stored_tokens,
+        "bytes": sum(f.stat().st_size for f in files),
+    }
+    storage["bytes_per_token"] = storage["bytes"] / max(1, stored_tokens)
+    sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
+    suffix = builder.suffix_ids(question)
+    amateur_suffix = builder.suffix_ids(question, with_context=False)
+    rows = []
+    for k in cfg.ks:
+        chosen = list(zip(docs[:k], digests[:k], files[:k]))
+        experts = [Expert(d.id, 0.8 if d.id in gold else 0.5, lambda h=h: store.load(h)) for d, h, _ in chosen]
+        context_tokens = len(builder.prompt_ids([d.render() for d, _, _ in chosen], question))
+        row = {"k": k, "doc_tokens": doc_tokens, "context_tokens": context_tokens}
+        for method in cfg.methods:
+            runs, cold_runs = [], []
+            for _ in range(cfg.repeats):
+                if method == "pced":
+                    make = lambda: Generation(llm, store.prefix(), experts, suffix, amateur_suffix, sampling=sampling)
+                    runs.append(_run(make()))
+                    if cfg.cold:
+                        evict_from_page_cache([f for _, _, f in chosen])
+                        cold_runs.append(_run(make()))
+                elif method == "all":
+                    if llm.max_context and context_tokens + cfg.new_tokens > llm.max_context:
+                        break
+                    ids = builder.prompt_ids([d.render() for d, _, _ in chosen], question)
+                    runs.append(_run(PlainGeneration(llm, ids, sampling, method="all")))
+                elif method == "ape":
+                    from .baselines.ape import ape_from_store
+
+                    runs.append(_run(ape_from_store(llm, store, [d.render() for d, _, _ in chosen], question, sampling)))
+                bar.update(1)
+            if not runs:
+                row[method] = None  # does not fit the model's window
+                bar.update(cfg.repeats)
+                continue
+            summary = {key: _median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], (int, float))}
+            if cold_runs:
+                summary["ttft_cold_s"] = _median([r["ttft_s"] for r in cold_runs])
+                summary["cache_load_cold_s"] = _median([r["cache_load_s"] for r in cold_runs])
+            row[method] = summary
+        rows.append(row)
+    return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows}
+
+
+def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
+    root = Path(cfg.out)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    total = len(cfg.doc_tokens) * len(cfg.ks) * len(cfg.methods) * cfg.repeats
+    results = {
+        "config": asdict(cfg),
+        "model": llm.name,
+        "device": str(llm.device),
+        "dtype": str(llm.dtype),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "lengths": [],
+    }
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        for doc_tokens in cfg.doc_tokens:
+            results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar))
+    atomic_write_json(results, root / "bench.json")
+    (root / "bench.md").write_text(markdown_report(results))
+    plot(results, root)
+    return results
+
+
+def _fmt(value, digits=3) -> str:
+    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def markdown_report(results: dict) -> str:
+    lines = [f"Model {results['model']} on {results['device']} ({results['dtype']}, {results['threads']} threads); medians."]
+    for length in results["lengths"]:
+        s = length["storage"]
+        lines += [
+            "",
+            f"### L = {length['doc_tokens']} tokens per document",
+            "",
+            f"Indexing {s['documents']} documents ({s['tokens']} tokens): {s['index_s']:.1f} s; "
+            f"{s['bytes_per_token']:.0f} bytes per document token on disk.",
+            "",
+            "| k | context tokens | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) | all decode/token (s) | APE decode/token (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in length["rows"]:
+            p, a, e = row.get("pced") or {}, row.get("all") or {}, row.get("ape") or {}
+            ratio = a.get("ttft_s") / p["ttft_s"] if a and p else None
+            floor_ratio = p["ttft_s"] / p["suffix_forward_s"] if p else None
+            lines.append(
+                f"| {row['k']} | {row['context_tokens']} | {_fmt(p.get('ttft_s'))} | {_fmt(p.get('ttft_cold_s'))} | "
+                f"{_fmt(p.get('suffix_forward_s'))} | {_fmt(floor_ratio, 2)} | {_fmt(a.get('ttft_s'))} | {_fmt(ratio, 1)} | "
+                f"{_fmt(e.get('ttft_s'))} | {_fmt(p.get('decode_per_token_s'), 4)} | {_fmt(a.get('decode_per_token_s'), 4)} | "
+                f"{_fmt(e.get('decode_per_token_s'), 4)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, root: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ttft, ax_decode) = plt.subplots(1, 2, figsize=(11, 4))
+    for length in results["lengths"]:
+        L = length["doc_tokens"]
+        for method, style in (("pced", "-o"), ("all", "--s"), ("ape", ":^")):
+            points = [(r["k"], r[method]) for r in length["rows"] if r.get(method)]
+            if not points:
+                continue
+            ks = [k for k, _ in points]
+            ax_ttft.plot(ks, [m["ttft_s"] for _, m in points], style, label=f"{method} L={L}")
+            ax_decode.plot(ks, [m["decode_per_token_s"] * 1000 for _, m in points], style, label=f"{method} L={L}")
+    for ax, title, unit in ((ax_ttft, "time to first token", "s"), (ax_decode, "decode time per token", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("documents k")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_ttft.set_yscale("log")
+    fig.suptitle(f"{results['model']} on {results['device']}")
+    fig.tight_layout()
+    fig.savefig(root / "bench.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""Sparse + dense hybrid retrieval fused by the paper's harmonic mean.
+
+BM25 catches rare exact terms (names, dates) that a small bi-encoder blurs; the bi-encoder
+catches paraphrases BM25 misses. The candidate pool is the union of both top-N lists, and
+each candidate's relevance is ``fuse(r_sparse, r_dense)``. Both components can score any
+document, so a candidate found by only one list still gets the other's real score rather than
+a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pced.documents import Document
+from pced.retrieval.base import DEFAULT_TOP_N, QUERY_CHUNK, BaseRetriever, Hit, top_indices
+from pced.retrieval.scores import clip_relevance, fuse
+from pced.retrieval.storage import read_manifest, write_manifest
+
+TYPE = "hybrid"
+
+
+class HybridRetriever(BaseRetriever):
+    """Union of a sparse and a dense retriever's top-N, ranked by the fused relevance."""
+
+    kind = "hybrid"
+
+    def __init__(self, sparse: BaseRetriever, dense: BaseRetriever, name: str | None = None) -> None:
+        super().__init__()
+        self.sparse, self.dense = sparse, dense
+        self.name = name or f"{sparse.name}+{dense.name}"
+        if sparse.doc_ids and dense.doc_ids:
+            self._adopt_ids()
+
+    def _adopt_ids(self) -> None:
+        if self.sparse.doc_ids != self.dense.doc_ids:
+            raise ValueError("hybrid components index different corpora")
+        self.doc_ids = list(self.sparse.doc_ids)
+
+    def index(self, documents: Sequence[Document]) -> HybridRetriever:
+        documents = list(documents)
+        self.sparse.index(documents)
+        self.dense.index(documents)
+        self._adopt_ids()
+        self.documents = documents
+        return self
+
+    def component_scores(self, queries: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Raw ``[queries, docs]`` scores of the sparse and the dense component."""
+        return self.sparse.scores_many(queries), self.dense.scores_many(queries)
+
+    def scores_many(self, queries: Sequence[str]) -> np.ndarray:
+        """Fused relevance of every document (what the hybrid ranks by)."""
+        s, d = self.component_scores(queries)
+        return fuse(self.sparse.normalize(s), self.dense.normalize(d))
+
+    def normalize(self, raw: np.ndarray) -> np.ndarray:
+        return clip_relevance(raw)  # the fused score already is a relevance
+
+    def search_many(self, queries: Sequence[str], top_n: int = DEFAULT_TOP_N) -> list[list[Hit]]:
+        self._require_index()
+        queries, results = list(queries), []
+        for start in range(0, len(queries), QUERY_CHUNK):
+            sparse_raw, dense_raw = self.component_scores(queries[start : start + QUERY_CHUNK])
+            for s, d in zip(sparse_raw, dense_raw, strict=True):
+                results.append(self._fuse_hits(s, d, top_n))
+        return results
+
+    def _fuse_hits(self, sparse_raw: np.ndarray, dense_raw: np.ndarray, top_n: int) -> list[Hit]:
+        pool = np.union1d(top_indices(sparse_raw, top_n), top_indices(dense_raw, top_n))
+        fused = fuse(self.sparse.normalize(sparse_raw[pool]), self.dense.normalize(dense_raw[pool]))
+        order = top_indices(fused, top_n)
+        return [
+            Hit(int(pool[k]), self.doc_ids[int(pool[k])], float(fused[k]), float(fused[k]),
+                {self.sparse.name: float(sparse_raw[pool[k]]), self.dense.name: float(dense_raw[pool[k]])})
+            for k in order
+        ]
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Components go to ``sparse/`` and ``dense/`` subdirectories; manifest last."""
+        self._require_index()
+        self.sparse.save(Path(directory) / "sparse")
+        self.dense.save(Path(directory) / "dense")
+        write_manifest(directory, TYPE, kind=self.kind, name=self.name, count=len(self),
+                       describe=self.describe())
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, **kwargs: Any) -> HybridRetriever:
+        """Open both components (``kwargs`` go to the dense component's ``load``)."""
+        from pced.retrieval.registry import load_retriever
+
+        manifest = read_manifest(directory, TYPE)
+        sparse = load_retriever(Path(directory) / "sparse")
+        dense = load_retriever(Path(directory) / "dense", **kwargs)
+        return cls(sparse, dense, name=manifest["name"])
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": TYPE, "kind": self.kind, "name": self.name, "fusion": "harmonic mean",
+                "pool": "union of component top-N", "sparse": self.sparse.describe(),
+                "dense": self.dense.describe()}

@@ -1,0 +1,143 @@
+"""On-disk helpers shared by every retriever: atomic writes, memory-mapped loads, fingerprints.
+
+Each file is written to a temporary name in the same directory and then ``os.replace``-d into
+place, so a crash never leaves a half-written index behind, and a process that has the old
+file memory-mapped keeps reading the old inode. A retriever writes its manifest
+(``retriever.json``) last: its presence means the rest of the directory is complete.
+Arrays are plain ``.npy`` without pickle; nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "retriever.json"
+FORMAT_VERSION = 1
+_FINGERPRINT_CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; move it over ``path`` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp: its 0600 mode would make a shared index unreadable to other users.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_array(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write one ``.npy`` file atomically (no pickle)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def load_array(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
+    """Read a ``.npy`` file, memory-mapped by default so large indexes open instantly."""
+    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+
+
+def save_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write one JSON file atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def move_files_into(src_dir: Path, dst_dir: Path) -> None:
+    """Move every file of a scratch directory into ``dst_dir`` one ``os.replace`` at a time.
+
+    Used for libraries (bm25s) that write several files themselves: they write into a scratch
+    directory inside ``dst_dir`` (same file system), then each file lands atomically.
+    """
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for item in sorted(src_dir.iterdir()):
+        os.replace(item, dst_dir / item.name)
+
+
+@contextlib.contextmanager
+def scratch_dir(parent: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory inside ``parent`` (same file system, so ``os.replace`` works)."""
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".scratch-", dir=parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_manifest(directory: str | os.PathLike, retriever_type: str, **fields: Any) -> None:
+    """Write ``retriever.json`` last: it marks the directory as a complete index."""
+    manifest = {"type": retriever_type, "format_version": FORMAT_VERSION, **fields}
+    save_json(Path(directory) / MANIFEST, manifest)
+
+
+def read_manifest(directory: str | os.PathLike, expected_type: str | None = None) -> dict[str, Any]:
+    """Read ``retriever.json`` and check it describes the index type the caller can load."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no retrieval index at {directory} ({MANIFEST} missing)")
+    manifest = load_json(path)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+    if expected_type is not None and manifest.get("type") != expected_type:
+        raise ValueError(f"{path}: index type {manifest.get('type')!r}, expected {expected_type!r}")
+    return manifest
+
+
+def library_versions(*names: str) -> dict[str, str]:
+    """Installed versions of the libraries an index depends on, for the store manifest."""
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A cheap identity of a model directory: names, sizes, and first/last MiB of every file.
+
+    Hashing multi-GB weights in full on every ``describe()`` would dominate start-up; the head,
+    tail and size of each file change whenever the weights do in practice, which is what an
+    index manifest needs to notice ("these embeddings came from a different model").
+    """
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(root)))
+    for p in files:
+        size = p.stat().st_size
+        digest.update(f"{p.relative_to(root).as_posix()}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if size <= 2 * _FINGERPRINT_CHUNK:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(_FINGERPRINT_CHUNK))
+                f.seek(-_FINGERPRINT_CHUNK, os.SEEK_END)
+                digest.update(f.read(_FINGERPRINT_CHUNK))
+    return "sha256:" + digest.hexdigest()
+
+
+def _is_hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)

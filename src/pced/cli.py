@@ -38,8 +38,8 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--score-space", choices=SCORE_SPACES, default="logits")
     group.add_argument("--max-new-tokens", type=int, default=64)
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-k", dest="sample_top_k", type=int, default=0, help="sampling: keep the k best tokens")
-    group.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
+    group.add_argument("--sample-top-k", dest="sample_top_k", type=int, default=0, help="sampling: keep the k best tokens")
+    group.add_argument("--sample-top-p", dest="top_p", type=float, default=1.0, help="sampling: nucleus mass")
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -104,16 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         answer = generation.answer()
         print(json.dumps(answer_json(answer, candidates), ensure_ascii=False))
         return 0
-    from rich.console import Console
+    from .render import stream_answer
 
-    from .render import print_answer
-
-    console = Console(highlight=False)
-    console.print(f"[bold]Q:[/bold] {args.question}")
-    for step in generation:  # stream tokens as they are chosen
-        print(step.text, end="", flush=True)
-    print()
-    print_answer(generation.answer(), candidates, console)
+    stream_answer(generation, candidates, args.question)
     return 0
 
 
@@ -131,19 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(gen)
     add_decoding_options(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from .cli_store import add_ask_parser, add_demo_parser, add_index_parser
+
+    add_index_parser(sub)
+    add_ask_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .corpus import CorpusError
     from .kvstore import CacheError
     from .llm import ModelLoadError
     from .prompts import PromptError
+    from .store import StoreError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (InputError, ModelLoadError, CacheError, PromptError, ValueError) as exc:
+    except (InputError, ModelLoadError, CacheError, PromptError, CorpusError, StoreError, ValueError) as exc:
         print(f"pced: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

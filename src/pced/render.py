@@ -17,14 +17,6 @@ def doc_styles(doc_ids: Sequence[str]) -> dict[str, str]:
     return {doc_id: PALETTE[i % len(PALETTE)] for i, doc_id in enumerate(doc_ids)}
 
 
-def coloured_answer(answer: Answer, doc_ids: Sequence[str]) -> Text:
-    styles = doc_styles(doc_ids)
-    text = Text()
-    for step in answer.trace:
-        text.append(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold")
-    return text
-
-
 def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
     """One line per expert: colour, id, relevance, how many tokens it won."""
     ids = [c.document.id for c in candidates]
@@ -44,14 +36,27 @@ def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
     return text
 
 
-def print_answer(answer: Answer, candidates: Sequence, console: Console | None = None) -> None:
+
+
+def stream_answer(generation, candidates: Sequence, question: str, console: Console | None = None) -> Answer:
+    """Print the question, then each token as it is chosen, coloured by its document; then the legend."""
     console = console or Console(highlight=False)
-    console.print(coloured_answer(answer, [c.document.id for c in candidates]))
+    styles = doc_styles([c.document.id for c in candidates])
+    console.print(f"[bold]Q:[/bold] {question}")
+    console.print("[bold]A:[/bold] ", end="")
+    for step in generation:
+        console.print(Text(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
+    console.print()
+    answer = generation.answer()
     if answer.amateur_only:
         console.print("[dim](no documents: answered from the model alone)[/dim]")
-    console.print(legend(answer, candidates), end="")
+    if answer.method == "pced":
+        console.print(legend(answer, candidates), end="")
+    else:
+        console.print(f"[dim]method {answer.method}: no per-token attribution[/dim]")
     t = answer.timings
     console.print(
         f"[dim]time to first token {t.get('ttft_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s, "
-        f"{len(answer.trace)} tokens, beta={['%.3f' % b for b in answer.betas]}[/dim]"
+        f"{len(answer.trace)} tokens" + (f", beta={['%.3f' % b for b in answer.betas]}" if answer.betas else "") + "[/dim]"
     )
+    return answer

@@ -1,0 +1,107 @@
+"""Reading a corpus for ``pced index``: validation with line numbers, and chunking of long documents.
+
+Accepted lines: ``{"id", "text", "title"?}`` or LOFT's ``{"pid", "title_text", "passage_text"}``.
+Structural problems (invalid JSON, a missing field, a duplicate id) stop indexing before the
+store is touched. Empty documents are skipped with a warning. A document longer than
+``max_tokens`` is split at word boundaries into chunks ``id#1``, ``id#2``, ... (logged), so that
+every expert fits the model's window; the chunks keep the title.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+from .documents import Document
+
+log = logging.getLogger("pced.corpus")
+
+
+class CorpusError(ValueError):
+    """A corpus file pced refuses to index (reported as one line)."""
+
+
+def parse_record(record: object, where: str) -> Document | None:
+    if not isinstance(record, dict):
+        raise CorpusError(f"{where}: expected a JSON object")
+    if "pid" in record and "passage_text" in record:  # LOFT
+        doc_id, text, title = record["pid"], record["passage_text"], record.get("title_text", "")
+    else:
+        if "id" not in record or "text" not in record:
+            raise CorpusError(f"{where}: each line needs 'id' and 'text' (or LOFT 'pid' and 'passage_text')")
+        doc_id, text, title = record["id"], record["text"], record.get("title", "")
+    if not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
+        raise CorpusError(f"{where}: 'id' must be a non-empty string")
+    if not isinstance(text, str) or not isinstance(title or "", str):
+        raise CorpusError(f"{where}: 'text' and 'title' must be strings")
+    if not text.strip():
+        log.warning("%s: document %r has empty text; skipped", where, doc_id)
+        return None
+    return Document(id=str(doc_id), text=text.strip(), title=(title or "").strip())
+
+
+def read_corpus(path: str | Path) -> list[Document]:
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such corpus file")
+    documents: list[Document] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{where}: invalid JSON ({exc.msg})") from None
+            document = parse_record(record, where)
+            if document is None:
+                continue
+            if document.id in seen:
+                raise CorpusError(f"{where}: duplicate id {document.id!r} (first on line {seen[document.id]})")
+            seen[document.id] = number
+            documents.append(document)
+    if not documents:
+        raise CorpusError(f"{path}: no documents")
+    return documents
+
+
+def chunk_document(document: Document, count_tokens: Callable[[str], int], max_tokens: int) -> list[Document]:
+    """Split a too-long document into consecutive word-boundary chunks of at most max_tokens."""
+    if count_tokens(document.render()) <= max_tokens:
+        return [document]
+    words = document.text.split()
+    budget = max(1, max_tokens - count_tokens(document.title) - 2)
+    chunks, current = [], []
+    for word in words:
+        current.append(word)
+        if count_tokens(" ".join(current)) > budget:
+            if len(current) == 1:  # one giant "word": cut it by characters
+                chunks.append(word[: max(1, len(word) * budget // max(1, count_tokens(word)))])
+                current = []
+            else:
+                chunks.append(" ".join(current[:-1]))
+                current = [word]
+    if current:
+        chunks.append(" ".join(current))
+    pieces = [Document(f"{document.id}#{i}", text, document.title) for i, text in enumerate(chunks, start=1)]
+    log.warning("document %r has %d tokens (> %d): split into %d chunks", document.id,
+                count_tokens(document.render()), max_tokens, len(pieces))
+    return pieces
+
+
+def chunk_corpus(documents: list[Document], count_tokens: Callable[[str], int], max_tokens: int) -> tuple[list[Document], list[str]]:
+    """All documents within max_tokens; returns the new list and the ids that were chunked."""
+    out, chunked = [], []
+    for document in documents:
+        pieces = chunk_document(document, count_tokens, max_tokens)
+        if len(pieces) > 1:
+            chunked.append(document.id)
+        out.extend(pieces)
+    ids = [d.id for d in out]
+    if len(set(ids)) != len(ids):
+        raise CorpusError("chunk ids collide with existing ids (an id ending in '#<n>'); rename those documents")
+    return out, chunked

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,8 +20,6 @@ from tqdm.auto import tqdm
 
 from .baselines.concat import PlainGeneration
 from .decoding import Expert, Generation, SamplingConfig
-from .documents import Document
-from .engine import Engine
 from .kvstore import KVStore, atomic_write_json
 from .llm import LoadedModel
 from .prompts import RAG_TEMPLATE, PromptBuilder
@@ -33,7 +32,10 @@ class BenchConfig:
     new_tokens: int = 16  # for per-token decode time
     repeats: int = 3
     storage_dtype: str = "float16"
-    methods: tuple[str, ...] = ("pced", "all")
+    methods: tuple[str, ...] = ("pced", "all", "ape")
+    storage_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    long_new_tokens: int = 128  # end-to-end latency of a long answer at the largest k
+    memory: bool = True  # peak resident memory of each method, each in a fresh process
     cold: bool = True  # also measure PCED with the cache files evicted from the page cache
     out: str = "runs/bench"
     seed: int = 42
@@ -148,10 +150,129 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
             results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar))
+    results["storage"] = bench_storage(llm, cfg, root)
+    results["end_to_end"] = bench_end_to_end(llm, cfg, root)
+    if cfg.memory:
+        results["memory"] = bench_memory(cfg, root)
     atomic_write_json(results, root / "bench.json")
     (root / "bench.md").write_text(markdown_report(results))
     plot(results, root)
     return results
+
+
+def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 16) -> list[dict]:
+    """Bytes per document token on disk and indexing time, per storage dtype (fresh stores)."""
+    docs, _, _ = secret_code_documents(llm, n_docs, cfg.doc_tokens[0], cfg.seed + 1)
+    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
+    rows = []
+    for dtype in cfg.storage_dtypes:
+        folder = root / f"storage-{dtype}"
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)
+        store = KVStore(folder, llm, builder, dtype)
+        store.prefix()
+        started = time.perf_counter()
+        digests = store.add([d.render() for d in docs], progress=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(store.load(h).n_tokens for h in digests)
+        size = sum(store.path_for(h).stat().st_size for h in digests)
+        rows.append({"dtype": dtype, "documents": n_docs, "tokens": tokens, "bytes": size, "bytes_per_token": size / tokens,
+                     "index_s": seconds, "tokens_per_s": tokens / seconds})
+    return rows
+
+
+def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path) -> dict:
+    """A long answer (long_new_tokens) at the largest k where `all` still fits the window."""
+    L = cfg.doc_tokens[0]
+    docs, question, gold = secret_code_documents(llm, max(cfg.ks), L, cfg.seed)
+    docs.sort(key=lambda d: d.id not in gold)
+    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
+    store = KVStore(root / f"kv-L{L}-{cfg.storage_dtype}", llm, builder, cfg.storage_dtype)
+    sampling = SamplingConfig(max_new_tokens=cfg.long_new_tokens, ignore_eos=True)
+    fitting = [k for k in cfg.ks if not llm.max_context or
+               len(builder.prompt_ids([d.render() for d in docs[:k]], question)) + cfg.long_new_tokens <= llm.max_context]
+    k = max(fitting) if fitting else min(cfg.ks)
+    chosen = docs[:k]
+    digests = store.add([d.render() for d in chosen], progress=False)
+    experts = [Expert(d.id, 0.8 if d.id in gold else 0.5, lambda h=h: store.load(h)) for d, h in zip(chosen, digests)]
+    out = {"k": k, "doc_tokens": L, "new_tokens": cfg.long_new_tokens}
+    out["pced"] = _run(Generation(llm, store.prefix(), experts, builder.suffix_ids(question),
+                                  builder.suffix_ids(question, False), sampling=sampling))
+    if fitting:
+        ids = builder.prompt_ids([d.render() for d in chosen], question)
+        out["all"] = _run(PlainGeneration(llm, ids, sampling, method="all"))
+    return out
+
+
+def bench_memory(cfg: BenchConfig, root: Path) -> list[dict]:
+    """Peak RSS of one answer per method, each in a fresh interpreter (ru_maxrss of the child)."""
+    import subprocess
+    import sys
+
+    L = cfg.doc_tokens[-1]
+    rows = []
+    for method in cfg.methods:
+        for k in sorted(set([min(cfg.ks), 16 if 16 in cfg.ks else max(cfg.ks)])):
+            code = (
+                "import json,resource,sys;from pced.bench import memory_probe;"
+                f"r=memory_probe({method!r},{k},{L},{str(root)!r},{cfg.storage_dtype!r},{cfg.seed});"
+                "r['peak_rss_mb']=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024;print(json.dumps(r))"
+            )
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if done.returncode != 0:
+                rows.append({"method": method, "k": k, "doc_tokens": L, "error": done.stderr.strip().splitlines()[-1:]})
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def memory_probe(method: str, k: int, doc_tokens: int, root: str, storage_dtype: str, seed: int) -> dict:
+    """Load the model, answer once with ``method`` (caches already on disk), report the baseline RSS too."""
+    import resource
+
+    from .llm import load_model
+
+    llm = load_model(device="cpu", dtype="float32")
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    docs, question, gold = secret_code_documents(llm, k, doc_tokens, seed)
+    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
+    store = KVStore(Path(root) / f"kv-L{doc_tokens}-{storage_dtype}", llm, builder, storage_dtype)
+    digests = store.add([d.render() for d in docs], progress=False)
+    sampling = SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    if method == "pced":
+        experts = [Expert(d.id, 0.5, lambda h=h: store.load(h)) for d, h in zip(docs, digests)]
+        generation = Generation(llm, store.prefix(), experts, builder.suffix_ids(question), builder.suffix_ids(question, False), sampling=sampling)
+    elif method == "all":
+        generation = PlainGeneration(llm, builder.prompt_ids([d.render() for d in docs], question), sampling)
+    else:
+        from .baselines.ape import ape_from_store
+
+        generation = ape_from_store(llm, store, [d.render() for d in docs], question, sampling)
+    with torch.inference_mode():  # fault in the (memory-mapped) weights before measuring
+        llm.model(torch.tensor([[1, 2, 3]], device=llm.device))
+    idle = _rss_mb()
+    peak = [idle]
+    done = threading.Event()
+
+    def sample() -> None:  # ru_maxrss cannot be reset, so poll the resident size during the answer
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    list(generation)
+    done.set()
+    sampler.join()
+    return {"method": method, "k": k, "doc_tokens": doc_tokens, "model_loaded_rss_mb": baseline,
+            "before_answer_rss_mb": idle, "answer_peak_rss_mb": peak[0], "answer_extra_mb": peak[0] - idle}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _fmt(value, digits=3) -> str:
@@ -182,6 +303,27 @@ def markdown_report(results: dict) -> str:
                 f"{_fmt(e.get('ttft_s'))} | {_fmt(p.get('decode_per_token_s'), 4)} | {_fmt(a.get('decode_per_token_s'), 4)} | "
                 f"{_fmt(e.get('decode_per_token_s'), 4)} |"
             )
+    lines += ["", "### Storage per dtype", "", "| dtype | bytes per document token | indexing tokens/s |", "|---|---|---|"]
+    for row in results.get("storage", []):
+        lines.append(f"| {row['dtype']} | {row['bytes_per_token']:.0f} | {row['tokens_per_s']:.0f} |")
+    e2e = results.get("end_to_end")
+    if e2e:
+        lines += ["", f"### End to end: k={e2e['k']}, L={e2e['doc_tokens']}, {e2e['new_tokens']} new tokens", "",
+                  "| method | TTFT (s) | total (s) | decode/token (s) |", "|---|---|---|---|"]
+        for method in ("pced", "all"):
+            if e2e.get(method):
+                m = e2e[method]
+                lines.append(f"| {method} | {m['ttft_s']:.3f} | {m['total_s']:.3f} | {m['decode_per_token_s']:.4f} |")
+    if results.get("memory"):
+        lines += ["", "### Resident memory (fresh process per run)", "",
+                  "| method | k | L | RSS before answer (MB) | peak during answer (MB) | extra for the answer (MB) | process peak (MB) |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in results["memory"]:
+            if "error" in row:
+                lines.append(f"| {row['method']} | {row['k']} | {row['doc_tokens']} | error | {row['error']} |")
+            else:
+                lines.append(f"| {row['method']} | {row['k']} | {row['doc_tokens']} | {row['before_answer_rss_mb']:.0f} | "
+                             f"{row['answer_peak_rss_mb']:.0f} | {row['answer_extra_mb']:.0f} | {row['peak_rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

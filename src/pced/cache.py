@@ -56,14 +56,16 @@ class BufferCache(Cache):
         self.key_buffer, self.value_buffer = keys, values
 
     @classmethod
-    def allocate(cls, model: torch.nn.Module, batch: int, capacity: int) -> "BufferCache":
+    def allocate(cls, model: torch.nn.Module, batch: int, capacity: int, zero: bool = True) -> "BufferCache":
+        """Buffers for ``batch`` rows of ``capacity`` slots. With ``zero=False`` the caller must write
+        (or zero) every slot a query can see, masked ones included: 0 * garbage may be NaN."""
         config = model.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         param = next(model.parameters())
         shape = (config.num_hidden_layers, batch, heads, capacity, head_dim)
-        keys = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        return cls(keys, torch.zeros_like(keys))
+        make = torch.zeros if zero else torch.empty
+        return cls(make(shape, dtype=param.dtype, device=param.device), make(shape, dtype=param.dtype, device=param.device))
 
     @property
     def length(self) -> int:

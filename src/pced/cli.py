@@ -125,11 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_options(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from .cli_eval import add_eval_parser
+    from .cli_serve import add_serve_parser
     from .cli_store import add_ask_parser, add_demo_parser, add_index_parser
 
     add_index_parser(sub)
     add_ask_parser(sub)
     add_demo_parser(sub)
+    add_serve_parser(sub)
+    add_eval_parser(sub)
+
+    from .cli_bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

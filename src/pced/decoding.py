@@ -169,15 +169,19 @@ class Generation:
         longest, batch = max(lengths), len(lengths)
         suffix_len = max(len(self.suffix_ids), len(self.amateur_suffix_ids))
         capacity = prefix_len + longest + suffix_len + self.sampling.max_new_tokens
-        cache = BufferCache.allocate(self.llm.model, batch, capacity)
+        # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
+        cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)
         cache.key_buffer[:, :, :, :prefix_len] = self.prefix.keys[:, None]
         cache.value_buffer[:, :, :, :prefix_len] = self.prefix.values[:, None]
         valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         valid[:, :prefix_len] = True
-        for row, kv in enumerate(caches, start=1):
-            end = prefix_len + kv.n_tokens
-            cache.key_buffer[:, row, :, prefix_len:end] = kv.keys
-            cache.value_buffer[:, row, :, prefix_len:end] = kv.values
+        for row, length in enumerate(lengths):
+            end = prefix_len + length
+            if row:
+                cache.key_buffer[:, row, :, prefix_len:end] = caches[row - 1].keys
+                cache.value_buffer[:, row, :, prefix_len:end] = caches[row - 1].values
+            cache.key_buffer[:, row, :, end : prefix_len + longest] = 0
+            cache.value_buffer[:, row, :, end : prefix_len + longest] = 0
             valid[row, prefix_len:end] = True
         cache.set_length(prefix_len + longest)
         self.timings["cache_load_s"] = time.perf_counter() - started

@@ -17,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -88,6 +90,39 @@ def encode_documents(llm: LoadedModel, prefix: DocKV, documents: list[list[int]]
     # Right padding: a real token never sees a later pad, so the stored part is exact.
     forward_slots(llm.model, cache, valid, ids, positions)
     return [_kv_from_cache(cache, row, prefix_len, prefix_len + len(doc)) for row, doc in enumerate(documents)]
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NUMPY_CARRIER = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def mmap_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Zero-copy views of a safetensors file's tensors (memory-mapped; pages are read on first touch).
+
+    safetensors' own loader copies every tensor into fresh memory; the decoder copies the cache
+    into its batch buffer anyway, so mapping the file saves one full copy per document.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        header_len = struct.unpack("<Q", handle.read(8))[0]
+        if header_len > size - 8:
+            raise ValueError(f"header length {header_len} exceeds the file size {size}")
+        header = json.loads(handle.read(header_len))
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + header_len
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dtype = info["dtype"]
+        if dtype not in _SAFETENSORS_DTYPES or base + end > size or start > end:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype} or offsets beyond the file")
+        carrier = mapped[base + start : base + end].view(_NUMPY_CARRIER[dtype])
+        with warnings.catch_warnings():  # read-only mapping: we never write through it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(carrier)
+        tensors[name] = tensor.view(_SAFETENSORS_DTYPES[dtype]).view(info["shape"])
+    return meta, tensors
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
@@ -205,7 +240,7 @@ class KVStore:
         )
 
     def load(self, digest: str) -> DocKV:
-        """A document's cache, memory-mapped from disk (the tensors are views until copied)."""
+        """A document's cache, memory-mapped from disk (the tensors are read-only views of the file)."""
         path = self.path_for(digest)
         if not path.is_file():
             raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
@@ -213,10 +248,9 @@ class KVStore:
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                meta = handle.metadata() or {}
-                keys, values = handle.get_tensor("keys"), handle.get_tensor("values")
-        except Exception as exc:  # safetensors raises several types for damaged files
+            meta, tensors = mmap_safetensors(path)
+            keys, values = tensors["keys"], tensors["values"]
+        except Exception as exc:  # any malformed header, size or dtype
             raise CacheError(f"cache file {path} is damaged or not a pced cache ({exc}); delete it and re-index") from exc
         for key, expected in self.identity.items():
             if meta.get(key) != str(expected):

@@ -1,0 +1,51 @@
+"""``pced bench``: the latency / storage / memory benchmark (a script users run, not a test)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be positive integers")
+    return values
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time to first token, decode cost, storage and memory: PCED vs all vs APE")
+    p.add_argument("--ks", type=_ints, default=(4, 8, 16, 32, 64), help="numbers of documents (default 4,8,16,32,64)")
+    p.add_argument("--doc-tokens", type=_ints, default=(256, 448), help="tokens per document (default 256,448)")
+    p.add_argument("--methods", default="pced,all,ape", help="subset of pced,all,ape")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run (decode timing)")
+    p.add_argument("--long-new-tokens", type=int, default=128, help="tokens for the end-to-end run")
+    p.add_argument("--storage-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+    from .cli import InputError
+    from .llm import load_model
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if not methods or not set(methods) <= {"pced", "all", "ape"}:
+        raise InputError("--methods must be a subset of pced,all,ape")
+    if args.repeats < 1 or args.new_tokens < 2:
+        raise InputError("--repeats must be >= 1 and --new-tokens >= 2")
+    config = BenchConfig(ks=args.ks, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
+                         new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
+                         storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out)
+    llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")
+    run_bench(llm, config)
+    print(open(f"{args.out}/bench.md").read())
+    print(f"pced: wrote {args.out}/bench.json, bench.md and bench.png")
+    return 0

@@ -139,3 +139,16 @@ def test_elementwise_beta_and_logprob_space():
 def test_bad_configuration_is_refused(kwargs):
     with pytest.raises(ValueError):
         RuleConfig(**kwargs)
+
+
+def test_prune_candidates_keeps_competitive_priors():
+    import math
+
+    from pced.documents import Document
+    from pced.engine import Candidate, prune_candidates
+
+    cands = [Candidate(Document(str(i), "t"), r, {}) for i, r in enumerate([0.9, 0.5, 0.8, 0.01])]
+    assert [c.document.id for c in prune_candidates(cands, 2.5, max_experts=2)] == ["0", "2"]
+    margin = 2.5 * (math.log(0.9) - math.log(0.5)) + 1e-9
+    assert [c.document.id for c in prune_candidates(cands, 2.5, margin=margin)] == ["0", "1", "2"]
+    assert [c.document.id for c in prune_candidates(cands, 2.5)] == ["0", "1", "2", "3"]

@@ -92,6 +92,10 @@ def run_question(store, question: str, args: argparse.Namespace):
     candidates = store.retrieve(question, args.retriever, top_k=args.top_k, top_n=args.top_n,
                                 rerank=not args.no_rerank, reranker_path=args.reranker)
     retrieval_s = time.perf_counter() - started
+    if args.method == "pced":
+        from .engine import prune_candidates
+
+        candidates = prune_candidates(candidates, args.gamma, args.max_experts, args.prune_margin)
     generation = make_generation(store.engine, args.method, candidates, question, rule_from(args), sampling_from(args))
     return generation, candidates, retrieval_s
 
@@ -150,7 +154,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     questions = json.loads((data / DEMO_QUESTIONS).read_text())
     ask_args = argparse.Namespace(retriever="hybrid", top_k=4, top_n=30, no_rerank=True, reranker=None, method="pced",
                                   beta="dynamic", gamma=2.5, aggregation="max", score_space="logits", max_new_tokens=48,
-                                  temperature=0.0, sample_top_k=0, top_p=1.0, seed=None, stop=[])
+                                  temperature=0.0, sample_top_k=0, top_p=1.0, seed=None, stop=[],
+                                  max_experts=None, prune_margin=None)
     traces = root.parent / "demo-traces"
     for number, item in enumerate(questions, start=1):
         console.rule(f"[bold]Question {number}[/bold] ({item['note']})")

@@ -29,6 +29,25 @@ class Candidate:
     scores: dict
 
 
+def prune_candidates(
+    candidates: Sequence[Candidate], gamma: float, max_experts: int | None = None, margin: float | None = None
+) -> list[Candidate]:
+    """Drop experts whose prior cannot compete: keep at most ``max_experts`` (by relevance) and only
+    those with gamma*log r_k >= gamma*log r_max - margin. Each expert costs a batch row per step;
+    under the max rule an expert ``margin`` logits behind on its prior needs its calibrated score to
+    beat the leader's by that much to ever win a token."""
+    import math
+
+    ranked = sorted(candidates, key=lambda c: -c.relevance)
+    if max_experts is not None:
+        ranked = ranked[: max(0, max_experts)]
+    if margin is not None and ranked and gamma > 0:
+        best = gamma * math.log(max(ranked[0].relevance, 1e-8))
+        ranked = [c for c in ranked if gamma * math.log(max(c.relevance, 1e-8)) >= best - margin]
+    keep = {id(c) for c in ranked}
+    return [c for c in candidates if id(c) in keep]
+
+
 def default_kv_dir(llm: LoadedModel, template: Template, storage_dtype: str) -> Path:
     return cache_root() / "kv" / f"{llm.name}-{llm.fingerprint[:8]}-{template.name}-{storage_dtype}"
 

@@ -42,6 +42,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sample-top-p", dest="top_p", type=float, default=1.0, help="sampling: nucleus mass")
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--max-experts", type=int, default=None, help="PCED: keep at most this many experts (by relevance)")
+    group.add_argument("--prune-margin", type=float, default=None,
+                       help="PCED: drop experts whose prior gamma*log r is this many logits below the best one")
 
 
 def rule_from(args: argparse.Namespace) -> RuleConfig:
@@ -99,6 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import load_model
 
     engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype)
+    from .engine import prune_candidates
+
+    candidates = prune_candidates(candidates, rule.gamma, args.max_experts, args.prune_margin)
     generation = engine.stream(candidates, args.question, rule, sampling)
     if args.json:
         answer = generation.answer()

@@ -1,0 +1,70 @@
+"""``pced serve DIR``: load the store and the model once, then serve them over HTTP (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from .cli import InputError, add_model_options
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a store over HTTP: OpenAI-compatible chat completions and a page at /")
+    p.add_argument("store", help="store directory built by pced index")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PCED_API_KEY if set, else open)")
+    add_model_options(p)
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body (default 1 MB)")
+    limits.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
+    limits.add_argument("--max-queue", type=int, default=64, help="requests queued or running before 503 (default 64)")
+    limits.add_argument("--max-documents", type=int, default=64, help="documents a request may carry (default 64)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be between 0 and 65535, got {args.port}")
+    for name in ("max_body_bytes", "max_tokens", "max_queue", "max_documents"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        import uvicorn
+
+        from .server import Limits, create_app
+    except ImportError as exc:
+        raise InputError(f"pced serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn") from None
+    from .llm import load_model
+    from .store import DocumentStore
+
+    api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
+                    max_documents=args.max_documents, default_max_tokens=min(64, args.max_tokens))
+    store = DocumentStore.open(args.store)
+    if args.model is not None or args.device is not None or args.dtype != "auto":
+        default = None if store.settings.model == "embedded" else store.settings.model
+        store = DocumentStore.open(args.store, load_model(args.model or default, device=args.device, dtype=args.dtype))
+    print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
+    app = create_app(store, limits, api_key=api_key)
+    app.state.worker.warm_up()
+    if not _is_loopback(args.host) and not api_key:
+        print(f"pced: warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"pced: {len(store.documents)} documents; open http://{shown}:{args.port}/ "
+          f"(OpenAI base_url http://{shown}:{args.port}/v1){'; API key required' if api_key else ''}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

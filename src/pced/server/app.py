@@ -1,0 +1,236 @@
+"""The FastAPI app: OpenAI-compatible chat completions, the ``pced ask --json`` contract over
+HTTP, health, models, and the page at ``/``.
+
+Every refusal is a 4xx with ``{"error": {"message", "type", "param", "code"}}``; unexpected
+failures are a 500 with the same shape and no traceback (that goes to the server log).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
+                        pced_contract, sse, token_chunk)
+from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job
+from .worker import Finished, Run, Started, Worker, is_client_error, next_event
+
+STATIC = Path(__file__).parent / "static"
+log = logging.getLogger("pced.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
+
+
+def as_request_error(exc: BaseException) -> RequestError:
+    if isinstance(exc, RequestError):
+        return exc
+    if is_client_error(exc):
+        return RequestError(str(exc), None, "invalid_value")
+    return RequestError("internal error while generating (details are in the server log)", None, "internal_error",
+                        status=500, type_="server_error")
+
+
+class Guard:
+    """ASGI middleware: the API key on /v1/*, then the request-body size limit (413)."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None):
+        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                message = "missing or invalid API key: send 'Authorization: Bearer KEY'"
+                response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(400, "invalid Content-Length", code="invalid_request")(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if headers.get("transfer-encoding", "").lower() != "chunked":
+            return await self.app(scope, receive, send)
+        body, more = b"", True  # a chunked body: read it here, up to the limit, then replay it
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        message = f"request body larger than {self.max_body_bytes} bytes"
+        return await error_response(413, message, code="request_too_large")(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None, "invalid_request"
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"malformed JSON body{': ' + str(detail) if detail else ''}", None, "invalid_json"
+    if first.get("type") == "missing" and not loc:
+        return "the request needs a JSON object body", None, "missing_body"
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}{more}", param, "invalid_value"
+
+
+def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None) -> FastAPI:
+    """An app over an opened DocumentStore; one generation at a time, in a worker thread."""
+    worker = Worker(store, limits)
+    model_name = model_id or store.llm.name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        worker.close()
+
+    app = FastAPI(title="pced", description="Parallel Context-of-Experts Decoding", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param, code = _validation_message(exc)
+        return error_response(400, message, code=code, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), type_, code=f"http_{exc.status_code}",
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error (details are in the server log)", "server_error", "internal_error")
+
+    async def start(job, request: Request) -> tuple[Run, Started]:
+        run = worker.submit(job)
+        try:
+            kind, payload = await next_event(run, request.is_disconnected)
+        except BaseException:
+            run.cancel()
+            raise
+        if kind == "error":
+            raise as_request_error(payload)
+        if kind == "cancelled":
+            raise ClientGone()
+        return run, payload
+
+    async def finish(run: Run, request: Request) -> Finished:
+        try:
+            while True:
+                kind, payload = await next_event(run, request.is_disconnected)
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    raise as_request_error(payload)
+                if kind == "cancelled":
+                    raise ClientGone()
+        finally:
+            run.cancel()  # a no-op once done; stops the worker if this request was abandoned
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
+                "last_tokens": worker.last_tokens, **worker.counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pced"}]}
+
+    @app.post("/v1/pced/answer")
+    async def pced_answer(body: AnswerRequest, request: Request):
+        """The ``pced ask --json`` contract: {answer, method, experts, trace, beta, timings, ...}."""
+        run, started = await start(answer_job(body, limits), request)
+        finished = await finish(run, request)
+        return JSONResponse(clean(pced_contract(started, finished)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        run, started = await start(chat_job(body, limits), request)
+        completion_id = new_id()
+        if not body.stream:
+            finished = await finish(run, request)
+            return JSONResponse(clean(chat_completion(completion_id, model_name, started, finished)))
+
+        async def events():
+            try:
+                yield sse(first_chunk(completion_id, model_name, body.pced.method, started))
+                while True:
+                    kind, payload = await run.events.get()
+                    if kind == "token":
+                        if payload.text:
+                            yield sse(token_chunk(completion_id, model_name, payload))
+                    elif kind == "done":
+                        yield sse(final_chunk(completion_id, model_name, started, payload))
+                        yield SSE_DONE
+                        return
+                    elif kind == "error":
+                        exc = as_request_error(payload)
+                        yield sse(error_body(exc.message, exc.type, exc.code, exc.param))
+                        yield SSE_DONE
+                        return
+                    else:
+                        return
+            finally:
+                run.cancel()  # the client went away (the stream task was cancelled) or we are done
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app

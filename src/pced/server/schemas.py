@@ -1,0 +1,243 @@
+"""Request bodies of the server, their limits, and the step from a request to a Job.
+
+Pydantic checks shapes and types (strict: "5" is not a number); ``to_job`` checks what depends
+on the configured ``Limits`` and builds the RuleConfig / SamplingConfig the engine takes. Every
+failure is a ``RequestError`` (400 with an OpenAI-style error body), never a 500.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..decoding import SamplingConfig
+from ..documents import Document
+from ..engine import Candidate
+from ..methods import METHODS
+from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES, RuleConfig
+from ..store import RETRIEVERS
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; every violation is a 4xx."""
+
+    max_body_bytes: int = 1_000_000
+    max_question_chars: int = 4000
+    max_documents: int = 64
+    max_document_chars: int = 20_000
+    max_top_k: int = 64
+    max_top_n: int = 1000
+    max_tokens: int = 1024
+    default_max_tokens: int = 64
+    max_stop: int = 4
+    max_stop_chars: int = 64
+    max_queue: int = 64
+
+
+class RequestError(ValueError):
+    """A request the server refuses: reported as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
+
+
+Method = Literal[METHODS]  # type: ignore[valid-type]
+Aggregation = Literal[AGGREGATIONS]  # type: ignore[valid-type]
+ScoreSpace = Literal[SCORE_SPACES]  # type: ignore[valid-type]
+Retriever = Literal[RETRIEVERS]  # type: ignore[valid-type]
+BetaMode = Literal[BETA_MODES]  # type: ignore[valid-type]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class DocumentIn(Strict):
+    """A document given with the request instead of retrieval; score = relevance in [0, 1]."""
+
+    id: str | None = Field(None, min_length=1, max_length=200)
+    text: str = Field(min_length=1)
+    title: str = Field("", max_length=1000)
+    score: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class PcedOptions(Strict):
+    """The PCED knobs (paper defaults); names follow ``pced ask``."""
+
+    method: Method = "pced"
+    top_k: int = 8
+    top_n: int = 90
+    retriever: Retriever = "hybrid"
+    rerank: bool = True
+    beta: Union[float, BetaMode] = "dynamic"
+    gamma: float = 2.5
+    aggregation: Aggregation = "max"
+    score_space: ScoreSpace = "logits"
+    max_experts: int | None = None  # PCED: keep at most this many experts (by relevance)
+    prune_margin: float | None = None  # PCED: drop experts this many logits behind the best prior
+
+
+class SamplingOptions(Strict):
+    """OpenAI's sampling fields, mapped to SamplingConfig (greedy when temperature is 0 or absent)."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatRequest(SamplingOptions):
+    """OpenAI chat completions; extra fields OpenAI clients send (user, logprobs, ...) are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    messages: list[Message] = Field(min_length=1)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    documents: list[DocumentIn] | None = None
+    pced: PcedOptions = Field(default_factory=PcedOptions)
+
+
+class AnswerRequest(PcedOptions, SamplingOptions):
+    """``POST /v1/pced/answer``: the ``pced ask --json`` contract over HTTP; options are flat."""
+
+    question: str
+    documents: list[DocumentIn] | None = None
+
+
+@dataclass
+class Job:
+    """Everything the worker needs for one generation, already validated."""
+
+    question: str
+    candidates: list[Candidate] | None  # None: retrieve from the store
+    method: str
+    top_k: int
+    top_n: int
+    retriever: str
+    rerank: bool
+    rule: RuleConfig
+    sampling: SamplingConfig
+    max_experts: int | None = None
+    prune_margin: float | None = None
+
+
+def question_of(messages: list[Message]) -> str:
+    """The last user message's text (string content, or the text parts of a content list)."""
+    for message in reversed(messages):
+        if message.role != "user":
+            continue
+        if isinstance(message.content, str):
+            return message.content
+        if message.content is None:
+            return ""
+        return "\n".join(part.text or "" for part in message.content if part.type == "text")
+    raise RequestError("messages must contain a user message (the question)", "messages", "missing_user_message")
+
+
+def _candidates(documents: list[DocumentIn], limits: Limits) -> list[Candidate]:
+    if len(documents) > limits.max_documents:
+        raise RequestError(f"at most {limits.max_documents} documents per request, got {len(documents)}", "documents")
+    candidates, seen = [], set()
+    for number, doc in enumerate(documents, start=1):
+        if len(doc.text) > limits.max_document_chars:
+            raise RequestError(f"documents[{number - 1}].text is longer than {limits.max_document_chars} characters",
+                               f"documents[{number - 1}].text")
+        if not doc.text.strip():
+            raise RequestError(f"documents[{number - 1}].text is empty", f"documents[{number - 1}].text")
+        doc_id = doc.id or f"doc{number}"
+        if doc_id in seen:
+            raise RequestError(f"duplicate document id {doc_id!r}", f"documents[{number - 1}].id")
+        seen.add(doc_id)
+        candidates.append(Candidate(Document(doc_id, doc.text, doc.title), float(doc.score), {"given": float(doc.score)}))
+    return candidates
+
+
+def _sampling(options: SamplingOptions, limits: Limits) -> SamplingConfig:
+    max_tokens = options.max_tokens if options.max_tokens is not None else options.max_completion_tokens
+    max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise RequestError(f"max_tokens must be between 1 and {limits.max_tokens}, got {max_tokens}", "max_tokens")
+    temperature = 0.0 if options.temperature is None else options.temperature
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise RequestError(f"temperature must be between 0 and 2, got {temperature}", "temperature")
+    top_p = 1.0 if options.top_p is None else options.top_p
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    stop = [options.stop] if isinstance(options.stop, str) else list(options.stop or [])
+    if len(stop) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stop):
+        raise RequestError(f"stop: at most {limits.max_stop} non-empty strings of up to {limits.max_stop_chars} characters", "stop")
+    if options.seed is not None and not 0 <= options.seed < 2**63:
+        raise RequestError("seed must be a non-negative 64-bit integer", "seed")
+    return SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=options.seed, stop=tuple(stop))
+
+
+def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions, sampling: SamplingOptions,
+           limits: Limits) -> Job:
+    if not question.strip():
+        raise RequestError("the question is empty", "question", "empty_question")
+    if len(question) > limits.max_question_chars:
+        raise RequestError(f"the question is longer than {limits.max_question_chars} characters", "question", "question_too_long")
+    if not 1 <= pced.top_k <= limits.max_top_k:
+        raise RequestError(f"top_k must be between 1 and {limits.max_top_k}, got {pced.top_k}", "top_k")
+    if not 1 <= pced.top_n <= limits.max_top_n:
+        raise RequestError(f"top_n must be between 1 and {limits.max_top_n}, got {pced.top_n}", "top_n")
+    if pced.max_experts is not None and not 1 <= pced.max_experts <= limits.max_top_k:
+        raise RequestError(f"max_experts must be between 1 and {limits.max_top_k}, got {pced.max_experts}", "max_experts")
+    if pced.prune_margin is not None and not (math.isfinite(pced.prune_margin) and pced.prune_margin >= 0):
+        raise RequestError(f"prune_margin must be a finite number >= 0, got {pced.prune_margin}", "prune_margin")
+    if documents is not None and not documents:
+        raise RequestError("documents is empty: leave it out to retrieve from the store", "documents")
+    try:
+        rule = RuleConfig(beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation, score_space=pced.score_space)
+    except ValueError as exc:
+        raise RequestError(str(exc), "pced") from None
+    return Job(
+        question=question,
+        candidates=_candidates(documents, limits) if documents is not None else None,
+        method=pced.method,
+        top_k=pced.top_k,
+        top_n=pced.top_n,
+        retriever=pced.retriever,
+        rerank=pced.rerank,
+        rule=rule,
+        sampling=_sampling(sampling, limits),
+        max_experts=pced.max_experts,
+        prune_margin=pced.prune_margin,
+    )
+
+
+def chat_job(request: ChatRequest, limits: Limits) -> Job:
+    if request.n != 1:
+        raise RequestError("only n=1 is supported", "n", "unsupported_value")
+    return to_job(question_of(request.messages), request.documents, request.pced, request, limits)
+
+
+def answer_job(request: AnswerRequest, limits: Limits) -> Job:
+    return to_job(request.question, request.documents, request, request, limits)

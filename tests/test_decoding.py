@@ -109,3 +109,15 @@ def test_stop_string_and_timings(setup):
         cut = generate(llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
                        sampling=SamplingConfig(max_new_tokens=12, stop=(stop,)))
         assert cut.text == full.text[: full.text.find(stop)]
+
+
+def test_split_characters_are_held_back_until_complete(tiny_llm):
+    from pced.decoding import TextTracker
+
+    tokenizer = tiny_llm.tokenizer
+    ids = tokenizer("café 🙂 ok", add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tokenizer.decode(ids[:i]) for i in range(1, len(ids)))  # the emoji really is split
+    tracker = TextTracker(tokenizer, set(), ())
+    pieces = [tracker.push(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + tracker.flush() == "café 🙂 ok"

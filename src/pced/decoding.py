@@ -108,7 +108,11 @@ class TextTracker:
         return cls(llm.tokenizer, set() if sampling.ignore_eos else llm.eos_token_ids(), sampling.stop)
 
     def push(self, token: int) -> str:
-        """Add a token; returns the text it adds (empty for EOS) and sets ``finished``."""
+        """Add a token; returns the text it adds (empty for EOS) and sets ``finished``.
+
+        A character split across tokens decodes to U+FFFD until its last byte arrives, so a
+        trailing replacement character is held back instead of streamed (``flush`` releases it).
+        """
         if token in self.eos_ids:
             self.finished = True
             return ""
@@ -118,8 +122,16 @@ class TextTracker:
             cut = full.find(stop)
             if cut >= 0:
                 full, self.finished = full[:cut], True
-        piece, self.text = full[len(self.text) :], full
+        self.full = full
+        stable = full if self.finished else full.rstrip("\ufffd")
+        piece, self.text = stable[len(self.text) :], stable
         return piece
+
+    def flush(self) -> str:
+        """Whatever was held back (an incomplete character at the very end)."""
+        rest = getattr(self, "full", self.text)[len(self.text) :]
+        self.text += rest
+        return rest
 
 
 class Generation:
@@ -223,6 +235,9 @@ class Generation:
             valid[:, cache.length] = True
             logits = self._forward(cache, valid, ids, position[:, None])
             position = position + 1
+        rest = self.tracker.flush()
+        if rest and self.trace:
+            self.trace[-1].text += rest
         self.timings["total_s"] = time.perf_counter() - started
         self.timings.setdefault("ttft_s", self.timings["total_s"])
 

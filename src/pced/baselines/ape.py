@@ -55,7 +55,7 @@ from ..cache import BufferCache, forward_slots
 from ..decoding import Generation, SamplingConfig, TextTracker
 from ..kvstore import DocKV, KVStore
 from ..llm import LoadedModel
-from ..rule import AMATEUR
+from .concat import SingleRowScoring
 
 APE_ATTENTION = "pced_ape"
 APE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -192,7 +192,7 @@ def use_ape_attention(model: torch.nn.Module) -> Iterator[None]:
 
 
 # -- the generation ---------------------------------------------------------------------------------
-class APEGeneration(Generation):
+class APEGeneration(SingleRowScoring, Generation):
     """One row: prefix | doc_1 | ... | doc_N | suffix | generated, decoded with APE attention.
 
     ``documents`` are the stored per-document caches (or zero-argument loaders, so that loading
@@ -276,16 +276,6 @@ class APEGeneration(Generation):
                 ape_block=self._block, ape_temperature=self.temperature, ape_scale=self.scale,
             )
 
-    def _scores(self, logits: torch.Tensor):
-        return logits[0].float(), lambda token: AMATEUR
-
-    def _doc_id(self, winner: int) -> None:
-        return None
-
-    def answer(self):
-        answer = super().answer()
-        answer.betas, answer.amateur_only = [], False
-        return answer
 
 
 def ape_from_store(

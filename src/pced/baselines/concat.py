@@ -18,7 +18,22 @@ from ..llm import LoadedModel
 from ..rule import AMATEUR
 
 
-class PlainGeneration(Generation):
+class SingleRowScoring:
+    """For baselines that decode one row: plain next-token scores, no experts, no attribution."""
+
+    def _scores(self, logits: torch.Tensor):
+        return logits[0].float(), lambda token: AMATEUR
+
+    def _doc_id(self, winner: int) -> None:
+        return None
+
+    def answer(self):
+        answer = super().answer()
+        answer.betas, answer.amateur_only = [], False
+        return answer
+
+
+class PlainGeneration(SingleRowScoring, Generation):
     """Greedy (or sampled) decoding of one prompt; no experts, no attribution (doc_id is null)."""
 
     def __init__(self, llm: LoadedModel, prompt_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(), method: str = "all"):
@@ -49,14 +64,3 @@ class PlainGeneration(Generation):
         positions = torch.arange(length, device=device)[None]
         logits = forward_slots(self.llm.model, cache, valid, ids, positions)
         return cache, valid, torch.tensor([length], device=device), logits
-
-    def _scores(self, logits: torch.Tensor):
-        return logits[0].float(), lambda token: AMATEUR
-
-    def _doc_id(self, winner: int) -> None:
-        return None
-
-    def answer(self):
-        answer = super().answer()
-        answer.betas, answer.amateur_only = [], False
-        return answer

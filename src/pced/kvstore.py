@@ -169,6 +169,7 @@ class KVStore:
         }
         self._check_or_create_manifest()
         self._prefix: DocKV | None = None
+        self.last_encoded = 0
 
     # -- identity -------------------------------------------------------------------------
     def _check_or_create_manifest(self) -> None:
@@ -219,6 +220,7 @@ class KVStore:
         texts = self.context_texts(documents)
         digests = [content_hash(text) for text in texts]
         todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
+        self.last_encoded = len(todo)  # how many this call had to encode (the rest were stored)
         if todo:
             prefix = self.prefix()
             items = sorted(todo.items(), key=lambda item: len(item[1]))  # similar lengths pad less

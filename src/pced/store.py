@@ -205,7 +205,6 @@ class DocumentStore:
         merged, added, updated = _merge(previous.documents if previous else [], corpus)
         started = time.perf_counter()
         engine = Engine(llm, settings.template, root / "kv", settings.storage_dtype)
-        stored_before = sum(1 for _ in (root / "kv" / "kv").rglob("*.safetensors")) if (root / "kv" / "kv").exists() else 0
         engine.store.add([d.render() for d in merged], progress=progress)
         kv_s = time.perf_counter() - started
         started = time.perf_counter()
@@ -224,9 +223,8 @@ class DocumentStore:
             "retrievers": _describe_retrievers(root, settings),
         }
         atomic_write_json(manifest, root / "manifest.json")
-        stored_after = sum(1 for _ in (root / "kv" / "kv").rglob("*.safetensors"))
         report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-                  "kv_encoded": stored_after - stored_before, "kv_s": kv_s, "retrieval_index_s": retrieval_s}
+                  "kv_encoded": engine.store.last_encoded, "kv_s": kv_s, "retrieval_index_s": retrieval_s}
         store = cls.open(root, llm)
         store._engine = engine
         return store, report

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pced.corpus import CorpusError, read_corpus
+from pced.decoding import SamplingConfig
 from pced.documents import Document
 from pced.store import DocumentStore, IndexSettings, StoreError
 
@@ -124,6 +125,20 @@ def test_incremental_add_encodes_only_new_documents(tmp_path, tiny_llm):
     assert (report["added"], report["updated"]) == (0, 1)
     assert store.documents[1].text == "Mira Quell was born in Brask."
     assert store.retrieve("Where was Mira Quell born?", "sparse", top_k=1)[0].document.id == "quell"
+
+
+def test_lazy_kv_store_encodes_a_document_the_first_time_it_is_retrieved(tmp_path, tiny_llm):
+    settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
+    docs = [Document(d.get("id", "x"), d.get("text", "x"), d.get("title", "")) for d in CORPUS[:4]]
+    store, report = DocumentStore.index(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False, encode_kv=False)
+    assert report["kv_encoded"] == 0 and kv_files(tmp_path / "s") == []
+    found = store.retrieve("Where was Mira Quell born?", "sparse", top_k=1)
+    assert found[0].document.id == "quell"
+    lazy = store.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
+    assert len(kv_files(tmp_path / "s")) == 1  # only the retrieved document
+    eager, _ = DocumentStore.index(docs, tmp_path / "e", settings, llm=tiny_llm, progress=False)
+    again = eager.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
+    assert lazy.token_ids == again.token_ids
 
 
 def test_store_refuses_another_model_or_embedder(tmp_path, tiny_llm, embedded_llm):

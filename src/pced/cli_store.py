@@ -25,6 +25,8 @@ def add_index_parser(sub) -> None:
     p.add_argument("--template", choices=["rag", "icl"], default="rag")
     p.add_argument("--storage-dtype", choices=["float16", "float32", "bfloat16"], default="float16")
     p.add_argument("--max-doc-tokens", type=int, default=1024, help="longer documents are split into chunks (logged)")
+    p.add_argument("--lazy-kv", action="store_true",
+                   help="build the retrieval indexes only; encode a document's KV cache the first time it is retrieved")
     p.set_defaults(func=cmd_index)
 
 
@@ -63,10 +65,11 @@ def cmd_index(args: argparse.Namespace) -> int:
         model=args.model or "embedded", dense_model=args.dense_model, bge_m3=args.bge_m3, reranker=args.reranker,
         template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
     )
-    _, report = DocumentStore.index(corpus, args.out, settings)
+    _, report = DocumentStore.index(corpus, args.out, settings, encode_kv=not args.lazy_kv)
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
-        f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s; "
+        f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"
+        f"{' (--lazy-kv: the others on first use)' if args.lazy_kv else ''}; "
         f"retrieval indexes built in {report['retrieval_index_s']:.1f} s"
     )
     return 0

@@ -176,8 +176,13 @@ class DocumentStore:
     # -- building -------------------------------------------------------------------------------
     @classmethod
     def index(cls, corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
-              llm: LoadedModel | None = None, progress: bool = True) -> tuple["DocumentStore", dict]:
-        """Create or extend the store at ``root`` with ``corpus``; returns the store and a report."""
+              llm: LoadedModel | None = None, progress: bool = True,
+              encode_kv: bool = True) -> tuple["DocumentStore", dict]:
+        """Create or extend the store at ``root`` with ``corpus``; returns the store and a report.
+
+        ``encode_kv=False`` builds the retrieval indexes only: a document's KV cache is then
+        encoded the first time it is retrieved (content-addressed, so later uses read it).
+        For a large corpus of which few documents are ever asked about."""
         from .corpus import chunk_corpus
 
         root = Path(root)
@@ -205,7 +210,8 @@ class DocumentStore:
         merged, added, updated = _merge(previous.documents if previous else [], corpus)
         started = time.perf_counter()
         engine = Engine(llm, settings.template, root / "kv", settings.storage_dtype)
-        engine.store.add([d.render() for d in merged], progress=progress)
+        if encode_kv:
+            engine.store.add([d.render() for d in merged], progress=progress)
         kv_s = time.perf_counter() - started
         started = time.perf_counter()
         _build_retrievers(root, merged, settings, previous)
@@ -224,7 +230,7 @@ class DocumentStore:
         }
         atomic_write_json(manifest, root / "manifest.json")
         report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-                  "kv_encoded": engine.store.last_encoded, "kv_s": kv_s, "retrieval_index_s": retrieval_s}
+                  "kv_encoded": engine.store.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s}
         store = cls.open(root, llm)
         store._engine = engine
         return store, report

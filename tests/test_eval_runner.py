@@ -68,7 +68,7 @@ def loft_run(tmp_path_factory, tiny_model_dir):
 def test_eval_end_to_end_outputs(loft_run):
     root, _, result, _ = loft_run
     out = root / "out"
-    for name in ("results.jsonl", "summary.json", "table.md", "topk.png", "gamma.png"):
+    for name in ("results.jsonl", "summary.json", "table.md", "paired.md", "topk.png", "gamma.png"):
         assert (out / name).stat().st_size > 0, name
     lines = records(out)
     assert len(lines) == 3 * (2 * 2 + 2 + 2)

@@ -209,11 +209,17 @@ def _write_text(text: str, path: Path) -> None:
 
 
 def write_reports(out: str | os.PathLike, meta: dict) -> dict:
-    """Rebuild summary.json, table.md and the plots from ``out/results.jsonl``; returns the summary."""
+    """Rebuild summary.json, table.md, paired.md and the plots from ``out/results.jsonl``; returns the summary."""
+    from .compare import format_comparison, paired_comparison
+
     out = Path(out)
-    summary = summarize(read_results(out / "results.jsonl"), meta)
+    records = read_results(out / "results.jsonl")
+    summary = summarize(records, meta)
+    summary["paired"] = paired_comparison(records)  # every config against the first (PCED's default rule)
     _write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", out / "summary.json")
     table = format_table(summary)
     _write_text(table, out / "table.md")
+    _write_text(format_comparison(summary["paired"], f"{summary.get('dataset')}: paired differences"),
+                out / "paired.md")
     write_plots(summary, out)
     return summary

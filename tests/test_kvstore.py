@@ -1,6 +1,8 @@
 """Stored caches: round trips, dtype tolerances, incremental adds, refusals and damage."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -56,6 +58,11 @@ def test_incremental_add_skips_stored_documents(tiny_llm, tmp_path):
     assert not list(tmp_path.rglob(".tmp-*"))
     meta = json.loads((tmp_path / "kvstore.json").read_text())
     assert meta["template"] == "rag" and meta["storage_dtype"] == "float32"
+    # atomic writes go through mkstemp (0600); the result has a plain open's mode, readable by others
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [tmp_path / "kvstore.json", *(tmp_path / "kv").rglob("*.safetensors")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
 
 
 def test_store_for_another_template_or_model_is_refused(tiny_llm, tiny_model_dir, tmp_path):

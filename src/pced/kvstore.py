@@ -125,12 +125,23 @@ def mmap_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
     return meta, tensors
 
 
+_UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
+
+
+def shareable(path: str | os.PathLike) -> None:
+    """Give a ``mkstemp`` file (mode 0600) the mode a plain ``open`` would: 0666 minus the umask,
+    so a store or result folder shared between users stays readable."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        shareable(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -143,6 +154,7 @@ def atomic_write_json(data: dict, path: Path) -> None:
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
+        shareable(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -26,7 +26,7 @@ import numpy as np
 from . import __version__
 from .documents import Document
 from .engine import Candidate, Engine
-from .kvstore import atomic_write_json
+from .kvstore import atomic_write_json, shareable
 from .llm import LoadedModel, load_model
 from .prompts import TEMPLATES, PromptBuilder
 
@@ -61,6 +61,7 @@ def _write_documents(documents: list[Document], path: Path) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             for d in documents:
                 handle.write(json.dumps({"id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n")
+        shareable(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -198,10 +198,13 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
 
 
 def _write_text(text: str, path: Path) -> None:
+    from pced.kvstore import shareable
+
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        shareable(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -57,14 +57,15 @@ def paired_comparison(records: Sequence[dict], reference: str | None = None, n_b
 def format_comparison(comparison: dict, title: str = "") -> str:
     """Markdown: one row per config, the reference first."""
     lines = [f"# {title}\n" if title else "",
-             f"Paired against `{comparison['reference']}` on the questions both answered; Δ and its "
+             f"Paired against `{str(comparison['reference']).replace('|', ', ')}` on the questions both answered; Δ and its "
              "95% paired-bootstrap interval in points; wins/losses = questions where the config "
              "scored higher/lower than the reference. * = the interval excludes 0.\n",
              "| Config | n | score | reference | Δ | 95% interval | wins | losses |",
              "|---|---|---|---|---|---|---|---|"]
     for row in comparison["rows"]:
         mark = " *" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
-        lines.append(f"| `{row['config']}` | {row['n']} | {row['score']:.1f} | {row['reference_score']:.1f} | "
+        config = row["config"].replace("|", "\\|")  # a bare | would split the Markdown cell
+        lines.append(f"| `{config}` | {row['n']} | {row['score']:.1f} | {row['reference_score']:.1f} | "
                      f"{row['delta']:+.1f}{mark} | [{row['ci_low']:+.1f}, {row['ci_high']:+.1f}] | "
                      f"{row['wins']} | {row['losses']} |")
     return "\n".join(line for line in lines if line) + "\n"

@@ -49,12 +49,14 @@ def methods_tables(runs: Path) -> str:
             p = row["paired"]
             delta = "" if method == "pced" or p is None else (
                 f" ({p['delta']:+.0f}{'*' if p['ci_low'] > 0 or p['ci_high'] < 0 else ''})")
-            cells.append(f"{row['score']:.1f}{delta} n={row['n']}")
+            lenient = f" / {row['icl_lenient']:.1f}" if "icl_lenient" in row else ""
+            cells.append(f"{row['score']:.1f}{lenient}{delta} n={row['n']}")
             times.append(f"{row['ttft_s_median']:.2f} / {row['total_s_median']:.2f}")
         score_lines.append(f"| {name} | " + " | ".join(cells) + " |")
         time_lines.append(f"| {name} | " + " | ".join(times) + " |")
-    return ("Scores (metric in percent; in brackets the paired difference from PCED on the same "
-            "questions, * where its 95% bootstrap interval excludes 0):\n\n" + "\n".join(score_lines)
+    return ("Scores (metric in percent; BBH: strict / lenient exact match; in brackets the paired "
+            "difference from PCED on the same questions in the primary metric, * where its 95% "
+            "bootstrap interval excludes 0):\n\n" + "\n".join(score_lines)
             + "\n\nMedian TTFT / total seconds per answer:\n\n" + "\n".join(time_lines) + "\n")
 
 

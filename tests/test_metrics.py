@@ -18,6 +18,7 @@ from pced.evaluation.metrics import (
     hotpot_f1,
     hotpot_f1_precision_recall,
     icl_em,
+    icl_lenient,
     loft_f1,
     multi_answer_scores,
     normalize_answer,
@@ -262,6 +263,18 @@ def test_icl_em():
     assert icl_em(" (B) ", "(B)") == 1.0  # no Output: -> whole stripped prediction
     assert icl_em("Output: ['(A)']", "(B)") == 0.0
     assert icl_em("Output: ['(A)']", ["(B)", "(A)"]) == 1.0
+
+
+def test_icl_lenient_forgives_only_the_missing_wrapper():
+    assert icl_lenient("(C) 12/25/1937\n\n", "(C)") == 1.0  # the strict metric scores this 0
+    assert icl_em("(C) 12/25/1937\n\n", "(C)") == 0.0
+    assert icl_lenient("It is 12/25/1937, so (B).", "(B)") == 1.0
+    assert icl_lenient("(A) or (B)", "(B)") == 0.0  # the first label is the answer
+    assert icl_lenient("Yes, Gwenn tells the truth.", "Yes") == 1.0
+    assert icl_lenient("No.", ["Yes"]) == 0.0
+    assert icl_lenient("Output: ['(A)'] (B)", "(B)") == 0.0  # with Output: it is icl_em
+    assert icl_lenient("nothing useful", "(A)") == 0.0
+    assert score("icl_lenient", "(D) 05/23/2021", ["(D)"]) == 1.0
 
 
 def test_exemplar_format_round_trips_through_icl_em():

@@ -291,6 +291,24 @@ def icl_em(prediction: str, target: str | Sequence[str]) -> float:
                default=0.0)
 
 
+_OPTION = re.compile(r"\([A-Z]\)")
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+
+
+def icl_lenient(prediction: str, target: str | Sequence[str]) -> float:
+    """ICL exact match that forgives a missing ``Output: [...]`` wrapper (small models drop it).
+
+    With ``Output:`` present this is :func:`icl_em`. Without it, the answer is the first option
+    label "(X)" of the prediction, else its first "yes"/"no" word, else the whole prediction:
+    "(C) 12/25/1937" answers "(C)". Only the first candidate counts, so listing every option
+    does not score. A secondary metric beside the strict one, never a replacement.
+    """
+    if "Output:" in prediction:
+        return icl_em(prediction, target)
+    found = _OPTION.search(prediction) or _YES_NO.search(prediction)
+    return icl_em(found.group(0) if found else prediction, target)
+
+
 # --------------------------------------------------------------------------- registry
 
 Scorer = Callable[..., float]
@@ -330,6 +348,7 @@ METRICS: dict[str, Scorer] = {
     "multi_answer_f1": _multi("f1"),
     "multi_answer_recall": _multi("recall"),
     "icl_em": lambda prediction, answers, **_: icl_em(prediction, answers),
+    "icl_lenient": lambda prediction, answers, **_: icl_lenient(prediction, answers),
     "hotpot_em": _best_over(hotpot_em),
     "hotpot_f1": _best_over(hotpot_f1),
     "qa_f1": _best_over(qa_f1_score),

@@ -41,7 +41,7 @@ __all__ = ["EvalConfig", "EvalError", "RunConfig", "build_grid", "run_eval", "va
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
 EMBEDDED = "embedded"
 # Cheap extra metrics recorded beside the primary one (dataset metric -> extra METRICS keys).
-SECONDARY = {"subspan_em": ("em", "f1")}
+SECONDARY = {"subspan_em": ("em", "f1"), "icl_em": ("icl_lenient",)}
 HOTPOT_SECONDARY = ("hotpot_em", "hotpot_f1")
 RUN_IDENTITY = ("dataset", "setting", "model", "max_new_tokens", "seed", "bge_m3", "reranker",
                 "storage_dtype", "max_doc_tokens", "top_n")

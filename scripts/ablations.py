@@ -19,7 +19,7 @@ SWEEPS = {
     "beta": "0,0.5,1",
     # the paper's range (<= 4) and beyond it: with our normalizations one question's candidates
     # differ by ~0.1-0.3 in log r (scripts/relevance_spread.py), so gamma <= 4 moves logits < ~1
-    "gamma": "0,1,2.5,4,8,16,32",
+    "gamma": "0,1,2.5,8,32",
     "aggregation": "max,moe,poe",
     "score_space": "logits,logprobs",
 }
@@ -57,11 +57,10 @@ def main() -> None:
     rounds = []
     for limit in range(args.chunk, args.limit + args.chunk, args.chunk):
         limit = min(limit, args.limit)
-        if args.deadline and rounds:
-            finish = time.time() + max(rounds[-3:])
+        if args.deadline:
+            finish = time.time() + (max(rounds[-3:]) if rounds else 0.0)
             hh, mm = map(int, args.deadline.split(":"))
-            now = datetime.now()
-            if datetime.fromtimestamp(finish) > now.replace(hour=hh, minute=mm, second=0):
+            if datetime.fromtimestamp(finish) > datetime.now().replace(hour=hh, minute=mm, second=0):
                 print(f"stopping before examples {limit - args.chunk + 1}-{limit}: the round would end after "
                       f"{args.deadline}; every sweep holds the first {limit - args.chunk} examples", flush=True)
                 return
@@ -69,8 +68,10 @@ def main() -> None:
         for _, fields in sweeps:
             run_eval(EvalConfig(dataset=args.dataset, limit=limit, max_new_tokens=args.max_new_tokens,
                                 out=out, progress=False, **fields), llm=llm)
-        rounds.append(time.time() - started)
-        print(f"round up to {limit} examples: {rounds[-1]:.0f} s", flush=True)
+        elapsed = time.time() - started
+        if elapsed > 30:  # a resumed round that found everything done says nothing about the next one
+            rounds.append(elapsed)
+        print(f"round up to {limit} examples: {elapsed:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding (paper defaults)")
     group.add_argument("--beta", type=parse_beta, default="dynamic", help="dynamic (AdaCAD, default), elementwise, or a number")
-    group.add_argument("--gamma", type=float, default=2.5, help="weight of the retrieval prior gamma*log r (default 2.5)")
+    group.add_argument("--gamma", type=float, default=None,
+                       help="weight of the retrieval prior gamma*log r (default: the model family's measured value, "
+                            "32 for the embedded SmolLM2; the paper's 2.5 otherwise or with --paper-defaults)")
+    group.add_argument("--paper-defaults", action="store_true", help="unset settings from the paper's rule (gamma 2.5)")
     group.add_argument("--aggregation", choices=AGGREGATIONS, default="max")
     group.add_argument("--score-space", choices=SCORE_SPACES, default="logits")
     group.add_argument("--max-new-tokens", type=int, default=64)
@@ -47,8 +50,12 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="PCED: drop experts whose prior gamma*log r is this many logits below the best one")
 
 
-def rule_from(args: argparse.Namespace) -> RuleConfig:
-    return RuleConfig(beta=args.beta, gamma=args.gamma, aggregation=args.aggregation, score_space=args.score_space)
+def rule_from(args: argparse.Namespace, model: str | None = None) -> RuleConfig:
+    """The rule of the decoding options; an unset gamma is ``model``'s family default."""
+    from .defaults import default_gamma
+
+    gamma = args.gamma if args.gamma is not None else default_gamma(model, paper=args.paper_defaults)
+    return RuleConfig(beta=args.beta, gamma=gamma, aggregation=args.aggregation, score_space=args.score_space)
 
 
 def sampling_from(args: argparse.Namespace):
@@ -97,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     candidates = read_scored_documents(Path(args.docs))
     if not args.question.strip():
         raise InputError("--question is empty")
-    rule, sampling = rule_from(args), sampling_from(args)
+    rule, sampling = rule_from(args, args.model), sampling_from(args)
     from .engine import Engine, answer_json
     from .llm import load_model
 

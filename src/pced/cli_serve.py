@@ -58,6 +58,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None or args.device is not None or args.dtype != "auto":
         default = None if store.settings.model == "embedded" else store.settings.model
         store = DocumentStore.open(args.store, load_model(args.model or default, device=args.device, dtype=args.dtype))
+    from .defaults import default_gamma
+
+    import dataclasses
+
+    limits = dataclasses.replace(limits, default_gamma=default_gamma(args.model or store.settings.model))
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
     app = create_app(store, limits, api_key=api_key)
     app.state.worker.warm_up()

@@ -95,11 +95,12 @@ def run_question(store, question: str, args: argparse.Namespace):
     candidates = store.retrieve(question, args.retriever, top_k=args.top_k, top_n=args.top_n,
                                 rerank=not args.no_rerank, reranker_path=args.reranker)
     retrieval_s = time.perf_counter() - started
+    rule = rule_from(args, args.model or store.settings.model)
     if args.method == "pced":
         from .engine import prune_candidates
 
-        candidates = prune_candidates(candidates, args.gamma, args.max_experts, args.prune_margin)
-    generation = make_generation(store.engine, args.method, candidates, question, rule_from(args), sampling_from(args))
+        candidates = prune_candidates(candidates, rule.gamma, args.max_experts, args.prune_margin)
+    generation = make_generation(store.engine, args.method, candidates, question, rule, sampling_from(args))
     return generation, candidates, retrieval_s
 
 

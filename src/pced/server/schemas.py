@@ -36,6 +36,7 @@ class Limits:
     max_stop: int = 4
     max_stop_chars: int = 64
     max_queue: int = 64
+    default_gamma: float = 2.5  # PCED's gamma when a request sets none: the model family's (pced.defaults)
 
 
 class RequestError(ValueError):
@@ -76,7 +77,7 @@ class PcedOptions(Strict):
     retriever: Retriever = "hybrid"
     rerank: bool = True
     beta: Union[float, BetaMode] = "dynamic"
-    gamma: float = 2.5
+    gamma: float | None = None  # None: the served model family's default (Limits.default_gamma)
     aggregation: Aggregation = "max"
     score_space: ScoreSpace = "logits"
     max_experts: int | None = None  # PCED: keep at most this many experts (by relevance)
@@ -215,7 +216,8 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
     if documents is not None and not documents:
         raise RequestError("documents is empty: leave it out to retrieve from the store", "documents")
     try:
-        rule = RuleConfig(beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation, score_space=pced.score_space)
+        gamma = limits.default_gamma if pced.gamma is None else pced.gamma
+        rule = RuleConfig(beta=pced.beta, gamma=gamma, aggregation=pced.aggregation, score_space=pced.score_space)
     except ValueError as exc:
         raise RequestError(str(exc), "pced") from None
     return Job(

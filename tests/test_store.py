@@ -141,6 +141,18 @@ def test_lazy_kv_store_encodes_a_document_the_first_time_it_is_retrieved(tmp_pat
     assert lazy.token_ids == again.token_ids
 
 
+def test_demo_question_path_runs_on_a_store(tmp_path, tiny_llm):
+    # pced demo asks through run_question with its own namespace: every option it reads must be there
+    from pced.cli_store import demo_ask_args, run_question
+
+    settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
+    docs = [Document(d.get("id", "x"), d.get("text", "x"), d.get("title", "")) for d in CORPUS[:4]]
+    store, _ = DocumentStore.index(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False)
+    generation, candidates, _ = run_question(store, "Where was Mira Quell born?", demo_ask_args())
+    assert len(candidates) == 4 and generation.answer().token_ids
+    assert generation.rule_config.gamma == 2.5  # the tiny store's model is a plain llama: the paper's gamma
+
+
 def test_store_refuses_another_model_or_embedder(tmp_path, tiny_llm, embedded_llm):
     docs = [Document("a", "Alpha text."), Document("b", "Beta text.")]
     DocumentStore.index(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)

@@ -54,7 +54,7 @@ def rule_from(args: argparse.Namespace, model: str | None = None) -> RuleConfig:
     """The rule of the decoding options; an unset gamma is ``model``'s family default."""
     from .defaults import default_gamma
 
-    gamma = args.gamma if args.gamma is not None else default_gamma(model, paper=args.paper_defaults)
+    gamma = args.gamma if args.gamma is not None else default_gamma(model, paper=getattr(args, "paper_defaults", False))
     return RuleConfig(beta=args.beta, gamma=gamma, aggregation=args.aggregation, score_space=args.score_space)
 
 

@@ -95,7 +95,7 @@ def run_question(store, question: str, args: argparse.Namespace):
     candidates = store.retrieve(question, args.retriever, top_k=args.top_k, top_n=args.top_n,
                                 rerank=not args.no_rerank, reranker_path=args.reranker)
     retrieval_s = time.perf_counter() - started
-    rule = rule_from(args, args.model or store.settings.model)
+    rule = rule_from(args, getattr(args, "model", None) or store.settings.model)
     if args.method == "pced":
         from .engine import prune_candidates
 
@@ -131,6 +131,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+
+def demo_ask_args() -> argparse.Namespace:
+    """What ``pced demo`` asks with: ``pced ask``'s defaults for the embedded model, top-4, 48 tokens."""
+    return argparse.Namespace(retriever="hybrid", top_k=4, top_n=30, no_rerank=True, reranker=None, method="pced",
+                              beta="dynamic", gamma=None, paper_defaults=False, model=None, aggregation="max",
+                              score_space="logits", max_new_tokens=48, temperature=0.0, sample_top_k=0, top_p=1.0,
+                              seed=None, stop=[], max_experts=None, prune_margin=None)
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -156,10 +164,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             store, report = DocumentStore.index(read_corpus(corpus_path), root, IndexSettings())
         console.print(f"  {report['documents']} documents indexed, KV caches in {report['kv_s']:.1f} s")
     questions = json.loads((data / DEMO_QUESTIONS).read_text())
-    ask_args = argparse.Namespace(retriever="hybrid", top_k=4, top_n=30, no_rerank=True, reranker=None, method="pced",
-                                  beta="dynamic", gamma=2.5, aggregation="max", score_space="logits", max_new_tokens=48,
-                                  temperature=0.0, sample_top_k=0, top_p=1.0, seed=None, stop=[],
-                                  max_experts=None, prune_margin=None)
+    ask_args = demo_ask_args()
     traces = root.parent / "demo-traces"
     for number, item in enumerate(questions, start=1):
         console.rule(f"[bold]Question {number}[/bold] ({item['note']})")

@@ -58,9 +58,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None or args.device is not None or args.dtype != "auto":
         default = None if store.settings.model == "embedded" else store.settings.model
         store = DocumentStore.open(args.store, load_model(args.model or default, device=args.device, dtype=args.dtype))
-    from .defaults import default_gamma
-
     import dataclasses
+
+    from .defaults import default_gamma
 
     limits = dataclasses.replace(limits, default_gamma=default_gamma(args.model or store.settings.model))
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)

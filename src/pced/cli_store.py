@@ -131,13 +131,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def demo_ask_args() -> argparse.Namespace:
     """What ``pced demo`` asks with: ``pced ask``'s defaults for the embedded model, top-4, 48 tokens."""
     return argparse.Namespace(retriever="hybrid", top_k=4, top_n=30, no_rerank=True, reranker=None, method="pced",
                               beta="dynamic", gamma=None, paper_defaults=False, model=None, aggregation="max",
                               score_space="logits", max_new_tokens=48, temperature=0.0, sample_top_k=0, top_p=1.0,
                               seed=None, stop=[], max_experts=None, prune_margin=None)
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console

@@ -228,7 +228,6 @@ class KVStore:
 
     def add(self, documents: list[str], batch_size: int = 4, progress: bool = True) -> list[str]:
         """Encode and store the documents not stored yet; returns every document's content hash."""
-        self._remove_stale_temporaries()
         texts = self.context_texts(documents)
         digests = [content_hash(text) for text in texts]
         todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
@@ -246,8 +245,10 @@ class KVStore:
             bar.close()
         return digests
 
-    def _remove_stale_temporaries(self) -> None:
-        """Temporary files of a run that was killed mid-write (one writer per store at a time)."""
+    def remove_stale_temporaries(self) -> None:
+        """Temporary files of a run that was killed mid-write. Only the single indexing writer may
+        call this: ``add`` also runs on every answer (readers, the server), where it could delete
+        another process's file in flight."""
         for stale in list(self.root.glob(".tmp-*")) + list((self.root / "kv").glob("*/.tmp-*")):
             stale.unlink(missing_ok=True)
 

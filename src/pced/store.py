@@ -211,6 +211,7 @@ class DocumentStore:
         merged, added, updated = _merge(previous.documents if previous else [], corpus)
         started = time.perf_counter()
         engine = Engine(llm, settings.template, root / "kv", settings.storage_dtype)
+        engine.store.remove_stale_temporaries()  # a killed index run's; this run is the one writer
         if encode_kv:
             engine.store.add([d.render() for d in merged], progress=progress)
         kv_s = time.perf_counter() - started

@@ -54,7 +54,8 @@ def methods_tables(runs: Path) -> str:
             times.append(f"{row['ttft_s_median']:.2f} / {row['total_s_median']:.2f}")
         score_lines.append(f"| {name} | " + " | ".join(cells) + " |")
         time_lines.append(f"| {name} | " + " | ".join(times) + " |")
-    return ("Scores (metric in percent; BBH: strict / lenient exact match; in brackets the paired "
+    return ("Scores (metric in percent; BBH: strict / lenient exact match, strict being LOFT's ICL exact match "
+            "(`icl_em`) and lenient ours (`icl_lenient`); in brackets the paired "
             "difference from PCED on the same questions in the primary metric, * where its 95% "
             "bootstrap interval excludes 0):\n\n" + "\n".join(score_lines)
             + "\n\nMedian TTFT / total seconds per answer:\n\n" + "\n".join(time_lines) + "\n")

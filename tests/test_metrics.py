@@ -14,10 +14,12 @@ from pced.evaluation.metrics import (
     count_score,
     em,
     extract_icl_answer,
+    extract_loft_prediction,
     hotpot_em,
     hotpot_f1,
     hotpot_f1_precision_recall,
     icl_em,
+    icl_em_pced,
     icl_lenient,
     loft_f1,
     multi_answer_scores,
@@ -54,7 +56,8 @@ def test_normalize_answer_nfd_makes_composed_and_decomposed_equal_but_keeps_acce
 
 
 def test_loft_normalization_turns_option_a_into_empty_string():
-    # why icl_em does not use it: "(A)" -> "a" -> article removed -> ""
+    # why icl_em_pced does not use it: "(A)" -> "a" -> article removed -> "" (LOFT's icl_em
+    # does, so there "(A)" equals every answer that normalizes to "")
     assert normalize_answer("(A)") == ""
     assert normalize_answer("(B)") == "b"
 
@@ -110,8 +113,38 @@ def test_multi_answer_scores_alignment_is_one_to_one_and_optimal():
 
 def test_multi_answer_scores_empty_and_article_only_predictions():
     assert multi_answer_scores([], ["Paris"])["subspan_em"] == 0.0
-    # "the" normalizes to "" which LOFT would let match anything; we drop it
-    assert multi_answer_scores(["the"], ["Paris"])["recall"] == 0.0
+    # "the" normalizes to "", a substring of "paris": LOFT keeps it and it matches the gold
+    # (this assertion was `recall == 0.0` when pced dropped such items)
+    assert multi_answer_scores(["the"], ["Paris"])["recall"] == 1.0
+
+
+# LOFT MultiValueRagEvaluation (rag.py) on these lists: compute_multi_value_subspan_em,
+# compute_em_multi_value, compute_coverage; items normalizing to "" are kept.
+@pytest.mark.parametrize(
+    ("predictions", "golds", "subspan", "exact", "coverage"),
+    [
+        (["the"], ["Paris"], 1.0, 0.0, 0.0),  # "" in "paris"
+        ([""], ["Paris"], 1.0, 0.0, 0.0),
+        (["", "Lyon"], ["Paris", "Lyon"], 1.0, 0.0, 0.5),  # "" -> paris, "lyon" -> lyon
+        (["the"], ["Paris", "Lyon"], 0.0, 0.0, 0.0),  # one item, one gold (one-to-one)
+        (["An", "the"], ["Paris", "Lyon"], 1.0, 0.0, 0.0),
+        (["Paris", "the"], ["Paris"], 1.0, 0.0, 1.0),  # {"paris", ""} != {"paris"}
+        (["a"], ["The"], 1.0, 1.0, 1.0),  # both sides normalize to ""
+    ],
+)
+def test_multi_answer_scores_keep_items_normalizing_to_empty_as_loft(
+        predictions, golds, subspan, exact, coverage):
+    s = multi_answer_scores(predictions, golds)
+    assert (s["subspan_em"], s["em"], s["coverage"]) == (subspan, exact, coverage)
+
+
+def test_multi_answer_empty_items_precision_recall():
+    # golds paris, lyon; preds "paris", "": paris matches both, lyon matches "": M = 2
+    s = multi_answer_scores(["Paris", ""], ["Paris", "Lyon"])
+    assert (s["precision"], s["recall"], s["f1"]) == (1.0, 1.0, 1.0)
+    # one gold, two predictions that both match it: M = 1, P = 1/2
+    s = multi_answer_scores(["Paris", "the"], ["Paris"])
+    assert (s["precision"], s["recall"]) == (0.5, 1.0)
 
 
 def test_split_answer_list():
@@ -123,6 +156,10 @@ def test_split_answer_list():
     assert split_answer_list("1. Paris\n2. Lyon") == ["Paris", "Lyon"]
     assert split_answer_list("Nala [1]") == ["Nala [1]"]  # a citation is not a list
     assert split_answer_list("") == []
+    # items of a parsed list are kept even when blank, as LOFT keeps them
+    assert split_answer_list("Final Answer: ['Paris', '']") == ["Paris", ""]
+    assert split_answer_list("['Lyon', ' ']") == ["Lyon", ""]
+    assert split_answer_list("Paris, , Lyon") == ["Paris", "Lyon"]  # plain-text splitting is ours
 
 
 def test_multi_answer_registry_scores_free_text():
@@ -133,6 +170,8 @@ def test_multi_answer_registry_scores_free_text():
         pytest.approx(2 / 3)
     assert score("multi_answer_f1", "Lyon, Paris", ["Paris", "Lyon", "Nice"]) == \
         pytest.approx(0.8)
+    # LOFT: the blank item normalizes to "", which matches "paris"
+    assert score("multi_answer_em", "Final Answer: ['Lyon', '']", ["Paris", "Lyon"]) == 1.0
 
 
 # ----------------------------------------------------------------------------- HotpotQA
@@ -260,9 +299,110 @@ def test_icl_em():
     assert icl_em("Output: ['(A)']", "(A)") == 1.0
     assert icl_em("Output: ['yes']", "Yes") == 1.0  # case-insensitive
     assert icl_em("Output: ['(A) 12/25/1937']", "(A)") == 0.0  # exact, not subspan
-    assert icl_em(" (B) ", "(B)") == 1.0  # no Output: -> whole stripped prediction
     assert icl_em("Output: ['(A)']", "(B)") == 0.0
     assert icl_em("Output: ['(A)']", ["(B)", "(A)"]) == 1.0
+
+
+def test_icl_em_pced():
+    # moved here from test_icl_em: pced's own variant, not LOFT's (LOFT scores it 0)
+    assert icl_em_pced(" (B) ", "(B)") == 1.0  # no Output: -> whole stripped prediction
+    assert icl_em_pced("Output: ['(A)']", "(A)") == 1.0
+    assert icl_em_pced("Output: ['yes']", "Yes") == 1.0
+    assert icl_em_pced("Output: ['(A) 12/25/1937']", "(A)") == 0.0
+    assert icl_em_pced("Output: [(B)]", "(B)") == 1.0  # LOFT: not a literal -> 0
+    assert icl_em_pced("output: ['(B)']", "(B)") == 0.0  # case-sensitive "Output:"
+    assert icl_em_pced("Output: ['the']", "(A)") == 0.0  # no LOFT normalization
+    assert score("icl_em_pced", "(B)", ["(B)"]) == 1.0
+
+
+# (prediction, target, LOFT's em). Each value is what LOFT's own code gives: utils.py
+# extract_prediction(prediction, answer_prefix="output"), then evaluation/icl.py IclEvaluation
+# with the "icl" config (normalize_answers / normalize_answer) and gold target.split(" ").
+LOFT_ICL_CASES = [
+    # bare answers: no line with "[" and "]" -> no prediction -> 0
+    ("(B)", "(B)", 0.0),
+    (" (B) ", "(B)", 0.0),
+    ("(C) 12/25/1937\n\n", "(C)", 0.0),
+    ("Yes", "Yes", 0.0),
+    # the paper's format
+    ("Output: ['(B)']", "(B)", 1.0),
+    ("Output: ['(B)']", "(C)", 0.0),
+    ('Output: ["No"]', "No", 1.0),
+    ("Output:['(G)']\r\n", "(G)", 1.0),
+    ("\n\n  Output: [ '(D)' ]  \n", "(D)", 1.0),
+    # the prefix is not looked at: any case, or none at all
+    ("output: ['(b)']", "(B)", 1.0),
+    ('OUTPUT: ["yes"]', "Yes", 1.0),
+    ("output: ['yes']", "No", 0.0),
+    ("['(F)']", "(F)", 1.0),
+    ("Final answer: ['(E)']", "(E)", 1.0),
+    # markdown "*" and "`" are deleted everywhere first
+    ("**Output:** ['(C)']", "(C)", 1.0),
+    ("**Output: ['(D)']**", "(D)", 1.0),
+    ("`Output: ['(C)']`", "(C)", 1.0),
+    ("Output: ```['No']```", "No", 1.0),
+    ("Output: ['**(B)**']", "(B)", 1.0),
+    # lines without brackets are skipped; the first line with both decides, even if it fails
+    ("Let me think.\nThe answer is (B).\nOutput: ['(B)']", "(B)", 1.0),
+    ("The answer is (B).\nOutput: (B)", "(B)", 0.0),
+    ("See [note]\nOutput: ['(B)']", "(B)", 0.0),
+    ("Output: [(B)]\nOutput: ['(B)']", "(B)", 0.0),
+    ("Output: ['(B)'\nOutput: ['(C)']", "(C)", 1.0),  # first line lacks "]"
+    # unparsable lists score 0
+    ("Output: [(B)]", "(B)", 0.0),
+    ("Output: [B]", "(B)", 0.0),
+    ("Output: ['(B)'] or [C]", "(B)", 0.0),
+    ("] then [", "(B)", 0.0),
+    ("Output: ['Jones' dog']", "Jones' dog", 0.0),  # "s' " is not an in-word apostrophe
+    # "[" to the LAST "]" of the line: "['(E)'] because ['(A)']" is no literal -> 0
+    ("Output: ['(E)'] because ['(A)']", "(E)", 0.0),
+    ("Output: ['(E)'] (not [A])", "(E)", 0.0),
+    # an empty list is no prediction
+    ("Output: []", "(A)", 0.0),
+    # apostrophes inside items are escaped, then the item is normalized ("'" is punctuation)
+    ("Output: ['devil's']", "devil's", 1.0),
+    ('Output: ["it\'s"]', "it's", 1.0),
+    ("Output: ['the devil's sleep', '(B)']", "(B)", 0.0),  # only the first item counts
+    # gold = target.split(" "), each piece normalized: a multi-word target matches a piece only
+    ("Output: ['the devil's sleep']", "the devil's sleep", 0.0),
+    ("Output: ['sleep']", "the devil's sleep", 1.0),
+    ("Output: ['yes']", "yes no", 1.0),
+    # only the first item counts
+    ("Output: ['(A)', '(B)']", "(B)", 0.0),
+    ("Output: ['(B)', '(A)']", "(B)", 1.0),
+    # LOFT normalization: case, punctuation, articles; "(A)" normalizes to ""
+    ("Output: ['(a)']", "(A)", 1.0),
+    ("Output: ['Yes.']", "Yes", 1.0),
+    ("Output: ['the']", "(A)", 1.0),
+    ("Output: ['']", "(A)", 1.0),
+    ("Output: ['()']", "(A)", 1.0),
+    ("Output: ['(A) 12/25/1937']", "(A)", 0.0),
+]
+
+
+@pytest.mark.parametrize(("prediction", "target", "expected"), LOFT_ICL_CASES)
+def test_icl_em_is_loft(prediction, target, expected):
+    assert icl_em(prediction, target) == expected
+    assert score("icl_em", prediction, [target]) == expected
+
+
+def test_extract_loft_prediction():
+    assert extract_loft_prediction("(B)") == []
+    assert extract_loft_prediction("**Output:** ['(C)']") == ["(C)"]
+    assert extract_loft_prediction("output: ['the devil's sleep', '(B)']") == [
+        "the devil's sleep", "(B)"]
+    assert extract_loft_prediction("Output: [(B)]") == []
+    assert extract_loft_prediction("Output: ['(E)'] because ['(A)']") == []
+    assert extract_loft_prediction("Output: ['(E)'], ['(A)']") == [["(E)"], ["(A)"]]  # a tuple
+    assert extract_loft_prediction("Output: ['', 'x']") == ["", "x"]
+
+
+def test_icl_em_non_string_item_is_our_only_deviation_from_loft():
+    # LOFT's icl config has no convert_to_str, so normalize_answer(12) raises TypeError there;
+    # we compare str(item), as LOFT's rag configs do
+    assert icl_em("Output: [12]", "12") == 1.0
+    assert icl_em("Output: [['(B)']]", "(B)") == 1.0  # "['(B)']" normalizes to "b"
+    assert icl_em("Output: ['(B)'], ['(C)']", "(B)") == 1.0  # a tuple of lists: same
 
 
 def test_icl_lenient_forgives_only_the_missing_wrapper():
@@ -272,7 +412,9 @@ def test_icl_lenient_forgives_only_the_missing_wrapper():
     assert icl_lenient("(A) or (B)", "(B)") == 0.0  # the first label is the answer
     assert icl_lenient("Yes, Gwenn tells the truth.", "Yes") == 1.0
     assert icl_lenient("No.", ["Yes"]) == 0.0
-    assert icl_lenient("Output: ['(A)'] (B)", "(B)") == 0.0  # with Output: it is icl_em
+    assert icl_lenient("Output: ['(A)'] (B)", "(B)") == 0.0  # with Output: it is icl_em_pced
+    assert icl_lenient("Output: [(B)]", "(B)") == 1.0  # icl_em_pced's parsing, not LOFT's
+    assert icl_em("Output: [(B)]", "(B)") == 0.0
     assert icl_lenient("nothing useful", "(A)") == 0.0
     assert score("icl_lenient", "(D) 05/23/2021", ["(D)"]) == 1.0
 

@@ -6,11 +6,15 @@ is to produce numbers comparable with published ones:
 - LOFT ``evaluation/utils.py`` / ``rag.py``: :func:`normalize_answer` (Unicode NFD first),
   :func:`subspan_em`, :func:`em`, :func:`loft_f1` and the QUEST/QAMParI multi-value scores
   (:func:`multi_answer_scores`).
+- LOFT ICL (``utils.py`` ``extract_prediction`` + ``evaluation/icl.py`` ``IclEvaluation``):
+  :func:`extract_loft_prediction`, :func:`icl_em`.
 - LongBench ``metrics.py``: :func:`qa_f1_score`, :func:`rouge_score` (the ``rouge`` package's
   ROUGE-L F), :func:`code_sim_score` (fuzzywuzzy ``fuzz.ratio``), :func:`classification_score`,
   :func:`count_score`, :func:`retrieval_score`.
 - HotpotQA ``hotpot_evaluate_v1.py``: :func:`hotpot_em`, :func:`hotpot_f1` (yes/no/noanswer rule).
-- The paper's ICL answer format ``Output: ['...']``: :func:`extract_icl_answer`, :func:`icl_em`.
+- Ours (not a reference definition), for the paper's ICL answer format ``Output: ['...']``:
+  :func:`extract_icl_answer`, :func:`icl_em_pced` (pced's ICL exact match before it was made
+  LOFT's) and :func:`icl_lenient`.
 
 :data:`METRICS` maps a metric name to a scorer with one uniform signature
 ``(prediction, answers, **kwargs) -> float in [0, 1]`` (best over the gold aliases, as every
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -42,10 +47,13 @@ __all__ = [
     "count_score",
     "em",
     "extract_icl_answer",
+    "extract_loft_prediction",
     "hotpot_em",
     "hotpot_f1",
     "hotpot_f1_precision_recall",
     "icl_em",
+    "icl_em_pced",
+    "icl_lenient",
     "loft_f1",
     "multi_answer_scores",
     "normalize_answer",
@@ -121,10 +129,11 @@ def multi_answer_scores(
     """LOFT multi-value scores for list answers (QUEST, QAMParI), where EVERY gold is required.
 
     Definition (LOFT ``rag.MultiValueRagEvaluation``, plus P/R/F1 from the same alignment):
-    both lists are normalized with :func:`normalize_answer`; predicted items that normalize
-    to "" are dropped (deviation: in LOFT "" is a substring of everything and would match any
-    gold). A gold g and a prediction p *match* when g is a substring of p or p of g. Golds and
-    predictions are aligned one-to-one so that the number of matched pairs ``M`` is maximal.
+    both lists are normalized with :func:`normalize_answer` (LOFT's ``convert_to_str`` then
+    ``normalize_answers``). Predicted items that normalize to "" ("the", "") are KEPT, as in
+    LOFT: "" is a substring of every gold, so such an item matches any one gold. A gold g and a
+    prediction p *match* when g is a substring of p or p of g. Golds and predictions are
+    aligned one-to-one so that the number of matched pairs ``M`` is maximal.
 
     - ``subspan_em``: 1.0 iff every gold is aligned to a matching prediction (LOFT's
       ``compute_multi_value_subspan_em``; the headline QUEST metric).
@@ -132,10 +141,11 @@ def multi_answer_scores(
     - ``em``: the sets of normalized strings are equal (LOFT ``compute_em_multi_value``).
     - ``coverage``: |set(preds) ∩ set(golds)| / #golds on exact normalized strings (LOFT).
 
-    An empty prediction list scores 0 everywhere, as in LOFT.
+    An empty prediction list scores 0 everywhere, as in LOFT. An empty gold list scores 0 too
+    (LOFT divides by zero in ``compute_coverage`` there).
     """
     golds = [normalize_answer(str(g)) for g in gold_list]
-    preds = [p for p in (normalize_answer(str(p)) for p in predicted_list) if p]
+    preds = [normalize_answer(str(p)) for p in predicted_list]
     zero = {"subspan_em": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "em": 0.0,
             "coverage": 0.0}
     if not golds or not preds:
@@ -160,20 +170,35 @@ def multi_answer_scores(
 _BULLET = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s+")
 
 
-def _parse_list_literal(text: str) -> list[str] | None:
+def _escape_single_quotes(text: str) -> str:
+    """LOFT ``utils.extract_prediction._escape_single_quotes``: ``devil's`` -> ``devil\\'s``."""
+    return re.sub(r"([a-zA-Z0-9])'([a-zA-Z0-9])", r"\1\\'\2", text)
+
+
+def _literal_eval_quietly(literal: str) -> object:
+    with warnings.catch_warnings():  # e.g. SyntaxWarning on "\d" inside a string item
+        warnings.simplefilter("ignore")
+        return ast.literal_eval(literal)
+
+
+def _parse_list_literal(text: str, *, keep_empty: bool = False) -> list[str] | None:
     """Parse the ``[...]`` span (first "[" to last "]") of ``text`` as a Python list, with
-    LOFT's escaping of in-word apostrophes ("the devil's sleep"); None when it does not parse."""
+    LOFT's escaping of in-word apostrophes ("the devil's sleep"); None when it does not parse.
+
+    Items are ``str``-ed and stripped; blank items are dropped unless ``keep_empty`` (LOFT
+    keeps them, and :func:`split_answer_list` does so for its LOFT-style multi-value lists).
+    """
     start, end = text.find("["), text.rfind("]")
     if start == -1 or end < start:
         return None
-    literal = re.sub(r"([a-zA-Z0-9])'([a-zA-Z0-9])", r"\1\\'\2", text[start:end + 1])
     try:
-        value = ast.literal_eval(literal)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = _literal_eval_quietly(_escape_single_quotes(text[start:end + 1]))
+    except Exception:  # noqa: BLE001 - LOFT catches everything here too
         return None
     if not isinstance(value, (list, tuple)):
         return None
-    return [str(v).strip() for v in value if str(v).strip()]
+    items = [str(v).strip() for v in value]
+    return items if keep_empty else [item for item in items if item]
 
 
 def split_answer_list(prediction: str) -> list[str]:
@@ -181,16 +206,18 @@ def split_answer_list(prediction: str) -> list[str]:
 
     LOFT's prompts make the model write ``Final Answer: ['a', 'b']`` and parse the first such
     line with ``ast.literal_eval`` (after dropping "*" and "`"); we do the same, and also accept
-    a bare list literal. Otherwise (the paper's "concise answer" prompt yields plain text) the
-    text is split on newlines, semicolons and commas, dropping list bullets and quotes.
+    a bare list literal. Items of a parsed list are kept even when blank, as LOFT keeps them
+    (:func:`multi_answer_scores` then lets such an item match any gold, as LOFT does).
+    Otherwise (the paper's "concise answer" prompt yields plain text) the text is split on
+    newlines, semicolons and commas, dropping list bullets, quotes and empty pieces.
     """
     text = prediction.replace("*", "").replace("`", "").strip()
     lines = text.split("\n")
     final = [ln for ln in lines if "final answer" in ln.lower() and "[" in ln and "]" in ln]
     if final:
-        parsed = _parse_list_literal(final[0])
+        parsed = _parse_list_literal(final[0], keep_empty=True)
     elif text.startswith("[") and text.endswith("]"):
-        parsed = _parse_list_literal(text)
+        parsed = _parse_list_literal(text, keep_empty=True)
     else:
         parsed = None
     if parsed is not None:
@@ -251,8 +278,64 @@ def _strip_quotes(text: str) -> str:
     return text
 
 
+def extract_loft_prediction(model_output: str) -> list:
+    """LOFT's answer list of a generation: ``extract_prediction`` in LOFT's ``utils.py``
+    (google-deepmind/loft), called by ``inference/models.py`` with ``answer_prefix="output"``
+    for ICL (``run_inference.py``).
+
+    Remove every "*" and "`", strip, split on "\\n"; the first line that contains both "[" and
+    "]" is the answer line, whatever precedes it: the answer prefix ("output") is not required
+    (LOFT only logs a warning without it) and its case does not matter. Its text from the first
+    "[" to the last "]" is ``ast.literal_eval``-ed after escaping in-word apostrophes
+    (``devil's`` -> ``devil\\'s``). Returns the parsed items; ``[]`` when no line has brackets
+    or when the first one that does fails to parse (LOFT does not look at later lines then).
+    """
+    text = model_output.replace("*", "").replace("`", "")
+    for line in text.strip().split("\n"):
+        if "[" in line and "]" in line:
+            literal = line[line.find("["):line.rfind("]") + 1].strip()
+            try:
+                value = _literal_eval_quietly(_escape_single_quotes(literal))
+            except Exception:  # noqa: BLE001 - LOFT: ``except Exception`` -> preds stays []
+                return []
+            # text from "[" to "]" evaluates to a list, or to a tuple ("[1], [2]")
+            return list(value) if isinstance(value, (list, tuple)) else [value]
+    return []
+
+
+def icl_em(prediction: str, target: str | Sequence[str]) -> float:
+    """LOFT's ICL exact match, exactly (google-deepmind/loft).
+
+    - Parsing: :func:`extract_loft_prediction` (LOFT ``utils.py`` ``extract_prediction``,
+      ``answer_prefix="output"``). No parsable list, or an empty one, scores 0
+      (``evaluation/icl.py`` ``IclEvaluation.evaluate``: ``if not pred_answers: em = 0.0``).
+      So a bare ``(B)`` scores 0, and so does ``Output: [(B)]`` (not a Python literal).
+    - Comparison (``IclEvaluation.evaluate`` with the "icl" config of
+      ``evaluation/__init__.py``): only the FIRST item counts; it is normalized with LOFT's
+      :func:`normalize_answer` (``utils.normalize_answers``) and compared with ``==``
+      (``utils.compute_em``) to every gold, max over golds.
+    - Golds (``run_evaluation.py``): LOFT's gold for an ICL example is
+      ``target.split(" ")``, every piece normalized with :func:`normalize_answer`
+      (``process_goldens``); a prediction equal to any one piece scores 1. Each string of
+      ``target`` is treated as such a LOFT target (the pieces of all of them are pooled).
+
+    LOFT quirk kept on purpose: :func:`normalize_answer` deletes the article "a", so the option
+    "(A)" normalizes to "" and equals every prediction that normalizes to "" ("the", "()").
+    Only deviation: a non-string first item (``Output: [12]``) is compared as ``str(item)``,
+    as LOFT's RAG configs do with ``utils.convert_to_str``; LOFT's ICL config would raise
+    TypeError there. pced's own, more forgiving variant is :func:`icl_em_pced`.
+    """
+    preds = extract_loft_prediction(prediction)
+    if not preds:
+        return 0.0
+    answer = normalize_answer(str(preds[0]))
+    golds = [normalize_answer(piece) for t in _as_answer_list(target) for piece in t.split(" ")]
+    return max((1.0 if gold == answer else 0.0 for gold in golds), default=0.0)
+
+
 def extract_icl_answer(prediction: str) -> str:
-    """The answer inside the first ``Output: [...]`` of an ICL generation.
+    """The answer inside the first ``Output: [...]`` of an ICL generation (ours; used by
+    :func:`icl_em_pced`, not by LOFT's :func:`icl_em`).
 
     The paper's ICL system prompt makes the model answer ``Output: ['your_answer_here']``.
     Accepts ``Output: ['(A)']``, ``Output: [(A)]``, ``Output: ["Yes"]`` (the bracket span runs
@@ -278,12 +361,15 @@ def _icl_normal_form(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def icl_em(prediction: str, target: str | Sequence[str]) -> float:
-    """ICL exact match: the extracted answer equals the target up to case and whitespace.
+def icl_em_pced(prediction: str, target: str | Sequence[str]) -> float:
+    """pced's own ICL exact match (ours, not LOFT's; it was ``icl_em`` before that became
+    LOFT's): the :func:`extract_icl_answer` answer equals the target up to case and whitespace.
 
-    Deliberately not LOFT's :func:`normalize_answer`: it deletes the article "a", so the BBH
-    option "(A)" normalizes to "" and LOFT would score "(A)" as equal to any answer that
-    normalizes to "" too. Quotes around the target are ignored on both sides.
+    Differs from LOFT's :func:`icl_em`: it looks for a case-sensitive ``Output:`` and, without
+    one, scores the whole stripped prediction (a bare "(B)" scores 1 here, 0 in LOFT); an
+    unparsable ``Output: [(B)]`` still yields "(B)"; and it does not use LOFT's
+    :func:`normalize_answer`, which deletes the article "a" so that "(A)" normalizes to "" and
+    equals any answer that normalizes to "" too. Quotes around the target are ignored.
     """
     answer = _icl_normal_form(extract_icl_answer(prediction))
     targets = _as_answer_list(target)
@@ -296,17 +382,19 @@ _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 
 def icl_lenient(prediction: str, target: str | Sequence[str]) -> float:
-    """ICL exact match that forgives a missing ``Output: [...]`` wrapper (small models drop it).
+    """Ours, not LOFT's: ICL exact match that forgives a missing ``Output: [...]`` wrapper
+    (small models drop it).
 
-    With ``Output:`` present this is :func:`icl_em`. Without it, the answer is the first option
-    label "(X)" of the prediction, else its first "yes"/"no" word, else the whole prediction:
-    "(C) 12/25/1937" answers "(C)". Only the first candidate counts, so listing every option
-    does not score. A secondary metric beside the strict one, never a replacement.
+    With ``Output:`` present this is :func:`icl_em_pced`. Without it, the answer is the first
+    option label "(X)" of the prediction, else its first "yes"/"no" word, else the whole
+    prediction: "(C) 12/25/1937" answers "(C)". Only the first candidate counts, so listing
+    every option does not score. A secondary metric beside the strict, LOFT one (:func:`icl_em`),
+    never a replacement.
     """
     if "Output:" in prediction:
-        return icl_em(prediction, target)
+        return icl_em_pced(prediction, target)
     found = _OPTION.search(prediction) or _YES_NO.search(prediction)
-    return icl_em(found.group(0) if found else prediction, target)
+    return icl_em_pced(found.group(0) if found else prediction, target)
 
 
 # --------------------------------------------------------------------------- registry
@@ -347,8 +435,9 @@ METRICS: dict[str, Scorer] = {
     "multi_answer_em": _multi("subspan_em"),
     "multi_answer_f1": _multi("f1"),
     "multi_answer_recall": _multi("recall"),
-    "icl_em": lambda prediction, answers, **_: icl_em(prediction, answers),
-    "icl_lenient": lambda prediction, answers, **_: icl_lenient(prediction, answers),
+    "icl_em": lambda prediction, answers, **_: icl_em(prediction, answers),  # LOFT's, exactly
+    "icl_em_pced": lambda prediction, answers, **_: icl_em_pced(prediction, answers),  # ours
+    "icl_lenient": lambda prediction, answers, **_: icl_lenient(prediction, answers),  # ours
     "hotpot_em": _best_over(hotpot_em),
     "hotpot_f1": _best_over(hotpot_f1),
     "qa_f1": _best_over(qa_f1_score),

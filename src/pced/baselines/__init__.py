@@ -1,1 +1,0 @@
-"""Baselines under identical prompts and candidates: all, single (concatenation), ape, mapreduce."""

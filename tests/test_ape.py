@@ -6,17 +6,11 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from pced.baselines.ape import (
-    APE_ATTENTION,
-    APEGeneration,
-    ape_attention_forward,
-    ape_from_store,
-    ape_merged_attention,
-    check_ape_support,
-)
-from pced.baselines.concat import PlainGeneration
+from pced.backends.ape_attention import APE_ATTENTION, ape_attention_forward, ape_merged_attention, check_ape_support
+from pced.methods.ape import APEGeneration, ape_from_store
+from pced.methods.concat import PlainGeneration
 from pced.cache import BufferCache, forward_slots
-from pced.decoding import SamplingConfig
+from pced.answers import SamplingConfig
 from pced.kvstore import KVStore, encode_documents, encode_prefix
 from pced.llm import LoadedModel
 from pced.prompts import PromptBuilder

@@ -2,17 +2,16 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers.cli import run_pced
 
 CONTRACT_KEYS = {"answer", "method", "experts", "trace", "beta", "timings"}
 
 
 def run_cli(args, env_extra=None, cwd=None):
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "pced.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return run_pced(*args, env=dict(os.environ, **(env_extra or {})), cwd=cwd)
 
 
 @pytest.fixture

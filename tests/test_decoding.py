@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pced.decoding import Expert, Generation, SamplingConfig, generate
+from pced.answers import SamplingConfig
+from pced.methods.pced import Expert, PCEDGeneration, generate
 from pced.kvstore import encode_documents, encode_prefix
 from pced.prompts import PromptBuilder
 from pced.rule import AMATEUR, RuleConfig
@@ -67,7 +68,7 @@ def test_no_documents_answers_from_the_amateur(setup):
 def test_batching_is_invisible(setup):
     """Each row's logits in the padded batch equal a plain forward over that expert's own sequence."""
     llm, builder, prefix, caches = setup
-    generation = Generation(
+    generation = PCEDGeneration(
         llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
         RuleConfig(), SamplingConfig(max_new_tokens=6),
     )
@@ -112,7 +113,7 @@ def test_stop_string_and_timings(setup):
 
 
 def test_split_characters_are_held_back_until_complete(tiny_llm):
-    from pced.decoding import TextTracker
+    from pced.detokenize import TextTracker
 
     tokenizer = tiny_llm.tokenizer
     ids = tokenizer("日本語のテキスト 𝔘𝔫𝔦", add_special_tokens=False)["input_ids"]

@@ -1,31 +1,92 @@
-"""Family defaults: the measured gamma for SmolLM2, the paper's elsewhere and on request."""
+"""One rule resolution for every front end: the library, the CLI and the server answer alike."""
 
 import argparse
+import json
+from importlib import resources
 
-from pced.cli import add_decoding_options, rule_from
-from pced.defaults import PAPER_RULE, default_gamma, family_of_model
+import pytest
+
+from pced.answers import SamplingConfig
+from pced.cli import main
+from pced.cli.common import add_decoding_options, ask_options_from
+from pced.defaults import PAPER_RULE, model_family, resolve_rule
+from pced.options import AskOptions
 from pced.server.schemas import AnswerRequest, Limits, answer_job
+
+QUESTION = "In which town was the founder of the Zorblax Company born?"
 
 
 def test_family_of_a_model_setting_without_loading(tiny_model_dir, tmp_path):
-    assert family_of_model(None) == family_of_model("embedded") == "smollm2"
-    assert family_of_model(str(tiny_model_dir)) == "llama"  # read from config.json
-    assert family_of_model(str(tmp_path / "missing")) == ""
+    assert model_family(None) == model_family("embedded") == "smollm2"
+    assert model_family(str(tiny_model_dir)) == "llama"  # read from config.json
+    assert model_family(str(tmp_path / "missing")) == ""
 
 
-def test_gamma_default_is_measured_for_smollm2_and_the_papers_otherwise(tiny_model_dir):
-    assert default_gamma(None) == 32.0 and default_gamma(None, paper=True) == PAPER_RULE.gamma == 2.5
-    assert default_gamma(str(tiny_model_dir)) == 2.5
+def test_family_of_a_loaded_model(tiny_llm, embedded_llm):
+    assert model_family(embedded_llm) == "smollm2" and model_family(tiny_llm) == "llama"
+
+
+def test_one_resolution_of_the_rule(tiny_model_dir, tiny_llm, embedded_llm):
+    assert resolve_rule(None).gamma == resolve_rule(embedded_llm).gamma == 32.0
+    assert resolve_rule(None, paper=True) == PAPER_RULE and PAPER_RULE.gamma == 2.5
+    assert resolve_rule(str(tiny_model_dir)) == resolve_rule(tiny_llm) == PAPER_RULE
+    assert resolve_rule(embedded_llm, gamma=1.5, beta=0.3) == PAPER_RULE.__class__(beta=0.3, gamma=1.5)
+    with pytest.raises(TypeError, match="unknown rule settings"):
+        resolve_rule(None, temperature=1.0)
+    # every front end builds AskOptions, and AskOptions.rule is resolve_rule
     parser = argparse.ArgumentParser()
     add_decoding_options(parser)
-    assert rule_from(parser.parse_args([]), None).gamma == 32.0
-    assert rule_from(parser.parse_args(["--paper-defaults"]), None).gamma == 2.5
-    assert rule_from(parser.parse_args(["--gamma", "1.5"]), None).gamma == 1.5
-    assert rule_from(parser.parse_args([]), str(tiny_model_dir)).gamma == 2.5
+    assert ask_options_from(parser.parse_args([])).rule(embedded_llm).gamma == 32.0
+    assert ask_options_from(parser.parse_args(["--paper-defaults"])).rule(embedded_llm).gamma == 2.5
+    assert ask_options_from(parser.parse_args(["--gamma", "1.5"])).rule(embedded_llm).gamma == 1.5
+    assert ask_options_from(parser.parse_args(["--aggregation", "moe"])).rule(tiny_llm).aggregation == "moe"
+    job = answer_job(AnswerRequest(question="Who?"), Limits())
+    assert job.options == AskOptions(sampling=job.options.sampling) and job.options.rule(embedded_llm).gamma == 32.0
+    assert answer_job(AnswerRequest(question="Who?", gamma=2.5), Limits()).options.rule(embedded_llm).gamma == 2.5
+    assert answer_job(AnswerRequest(question="Who?", score_space="logprobs"), Limits()).options.rule(None).score_space == "logprobs"
 
 
-def test_server_request_without_gamma_takes_the_served_models_default():
-    limits = Limits(default_gamma=32.0)
-    assert answer_job(AnswerRequest(question="Who?"), limits).rule.gamma == 32.0
-    assert answer_job(AnswerRequest(question="Who?", gamma=2.5), limits).rule.gamma == 2.5
-    assert answer_job(AnswerRequest(question="Who?"), Limits()).rule.gamma == 2.5
+@pytest.fixture(scope="module")
+def embedded_store(tmp_path_factory, embedded_llm):
+    from pced.corpus import read_corpus
+    from pced.store import IndexSettings, index_store
+
+    with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
+        documents = read_corpus(corpus)
+    store, _ = index_store(documents, tmp_path_factory.mktemp("embedded") / "store", IndexSettings(storage_dtype="float32"),
+                           llm=embedded_llm, progress=False)
+    return store
+
+
+def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(embedded_store, capsys):
+    from fastapi.testclient import TestClient
+
+    from pced.engine import Engine
+    from pced.pipeline import ask
+    from pced.server import create_app
+
+    options = AskOptions(top_k=4, top_n=30, sampling=SamplingConfig(max_new_tokens=16))
+    asked = ask(embedded_store, QUESTION, options)
+    library = asked.json()
+    assert asked.generation.rule_config.gamma == 32.0  # the embedded SmolLM2's measured default
+    # the Engine API with no rule given resolves the same rule
+    engine_answer = Engine(embedded_store.llm, "rag", embedded_store.root / "kv", "float32").answer(asked.candidates, QUESTION,
+                                                                                                    sampling=options.sampling)
+    assert engine_answer.token_ids == asked.answer().token_ids
+    # the CLI
+    assert main(["ask", str(embedded_store.root), QUESTION, "--json", "--top-k", "4", "--top-n", "30",
+                 "--max-new-tokens", "16"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    # the server
+    with TestClient(create_app(embedded_store)) as client:
+        response = client.post("/v1/pced/answer", json={"question": QUESTION, "top_k": 4, "top_n": 30, "max_tokens": 16})
+    assert response.status_code == 200, response.text
+    server = response.json()
+    for other in (cli, server):
+        assert other["answer"] == library["answer"] and other["trace"] == library["trace"]
+        assert other["beta"] == pytest.approx(library["beta"])
+        assert [e["doc_id"] for e in other["experts"]] == [e["doc_id"] for e in library["experts"]]
+    # and the paper's rule is one flag away, for all of them alike
+    paper = ask(embedded_store, QUESTION, AskOptions(top_k=4, top_n=30, paper_defaults=True,
+                                                     sampling=SamplingConfig(max_new_tokens=16)))
+    assert paper.generation.rule_config == PAPER_RULE

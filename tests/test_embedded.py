@@ -2,9 +2,10 @@
 
 import torch
 
-from pced.decoding import SamplingConfig
+from pced.answers import SamplingConfig
 from pced.documents import Document
-from pced.engine import Candidate, Engine
+from pced.documents import Candidate
+from pced.engine import Engine
 from pced.prompts import PromptBuilder
 from pced.rule import RuleConfig
 

@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,8 @@ from pced.evaluation import DatasetError, resolve_data_dir
 from pced.evaluation.runner import EvalConfig, EvalError, build_grid, run_eval, validate
 from pced.rule import RuleConfig
 
+from helpers.cli import run_pced
+
 LOFT_TINY = Path(__file__).parent / "fixtures" / "loft_tiny"
 RESULT_KEYS = {"example_id", "method", "config", "settings", "prediction", "gold", "metric", "score",
                "experts", "gold_doc_ids", "trace", "timings", "stats"}
@@ -22,7 +22,7 @@ ROW_KEYS = {"method", "config", "metric", "score", "n", "ttft_s_median", "total_
 
 def pced(*args, timeout=300):
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pced.cli", *args], capture_output=True, text=True, timeout=timeout)
+    result = run_pced(*args, timeout=timeout)
     return result, time.perf_counter() - started
 
 

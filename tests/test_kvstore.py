@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pced.decoding import Expert, Generation, SamplingConfig
+from pced.answers import SamplingConfig
+from pced.methods.pced import Expert, PCEDGeneration
 from pced.kvstore import CacheError, KVStore, encode_documents, encode_prefix
 from pced.llm import load_model
 from pced.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
@@ -20,7 +21,7 @@ QUESTION = "Where was the founder born?"
 
 def first_step_logits(llm, builder, prefix, caches):
     experts = [Expert(f"d{i}", 0.5, lambda kv=kv: kv) for i, kv in enumerate(caches)]
-    generation = Generation(llm, prefix, experts, builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+    generation = PCEDGeneration(llm, prefix, experts, builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
                             RuleConfig(), SamplingConfig(max_new_tokens=1))
     list(generation)
     return generation.last_logits

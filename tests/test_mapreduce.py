@@ -2,9 +2,9 @@
 
 import pytest
 
-from pced.baselines.concat import PlainGeneration
-from pced.baselines.mapreduce import MAP_INSTRUCTION, MapReduceGeneration, map_prompt_ids
-from pced.decoding import SamplingConfig
+from pced.methods.concat import PlainGeneration
+from pced.methods.mapreduce import MAP_INSTRUCTION, MapReduceGeneration, map_prompt_ids
+from pced.answers import SamplingConfig
 from pced.prompts import PromptBuilder
 
 QUESTION = "Which town was the founder born in?"

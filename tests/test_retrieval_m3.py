@@ -1,6 +1,6 @@
 """BGE-M3 (dense / sparse / ColBERT) and rerankers on tiny random models built offline.
 
-The models have the real architectures and on-disk layout (see conftest_retrieval_helpers), so
+The models have the real architectures and on-disk layout (see helpers/retrieval.py), so
 they load through the same public path as a real local ``bge-m3`` / ``bge-reranker-v2-m3``.
 """
 
@@ -16,7 +16,7 @@ import shutil  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest_retrieval_helpers import build_tiny_bge_m3, build_tiny_reranker  # noqa: E402
+from helpers.retrieval import build_tiny_bge_m3, build_tiny_reranker  # noqa: E402
 
 from pced.documents import Document  # noqa: E402
 from pced.retrieval import (  # noqa: E402

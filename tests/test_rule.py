@@ -145,7 +145,8 @@ def test_prune_candidates_keeps_competitive_priors():
     import math
 
     from pced.documents import Document
-    from pced.engine import Candidate, prune_candidates
+    from pced.documents import Candidate
+    from pced.pipeline import prune_candidates
 
     cands = [Candidate(Document(str(i), "t"), r, {}) for i, r in enumerate([0.9, 0.5, 0.8, 0.01])]
     assert [c.document.id for c in prune_candidates(cands, 2.5, max_experts=2)] == ["0", "2"]

@@ -10,12 +10,12 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from pced.engine import answer_json  # noqa: E402
+from pced.answers import answer_json  # noqa: E402
 from pced.methods import make_generation  # noqa: E402
 from pced.rule import RuleConfig  # noqa: E402
-from pced.decoding import SamplingConfig  # noqa: E402
+from pced.answers import SamplingConfig  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
-from test_server_support import QUESTION, sse_chunks, tiny_store  # noqa: E402
+from helpers.server import QUESTION, sse_chunks, tiny_store  # noqa: E402
 
 CONTRACT = {"answer", "method", "experts", "trace", "beta", "timings"}
 

@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from pced.server import create_app  # noqa: E402
-from test_server_support import QUESTION, live_server, tiny_store  # noqa: E402
+from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
 KEY = "test-key-123"
 
@@ -114,7 +114,7 @@ def test_pced_serve_command(tmp_path, store, capsys):
     import sys
 
     from pced.cli import main
-    from test_server_support import free_port
+    from helpers.server import free_port
 
     assert main(["serve", str(tmp_path / "nothing")]) == 2
     assert "not a pced store" in capsys.readouterr().err

@@ -13,7 +13,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 import httpx  # noqa: E402
 
 from pced.server import create_app  # noqa: E402
-from test_server_support import QUESTION, live_server, tiny_store  # noqa: E402
+from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
 CHROMIUM = os.environ.get("PCED_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

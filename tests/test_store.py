@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pced.corpus import CorpusError, read_corpus
-from pced.decoding import SamplingConfig
+from pced.corpus import read_corpus
+from pced.answers import SamplingConfig
 from pced.documents import Document
-from pced.store import DocumentStore, IndexSettings, StoreError
+from pced.store import DocumentStore, IndexSettings, StoreError, index_store
+
+from helpers.cli import run_pced as pced
+from helpers.cli import write_jsonl
 
 CORPUS = [
     {"id": "zorblax", "title": "Zorblax", "text": "The Zorblax Company makes tidal clocks. It was founded by Mira Quell."},
@@ -22,15 +25,6 @@ CORPUS = [
     {"id": "heron", "title": "Grey heron", "text": "The grey heron is the national bird of Elumia."},
     {"pid": "loft-1", "title_text": "Vantor", "passage_text": "Vantor is the capital of Elumia."},
 ]
-
-
-def write_jsonl(path: Path, records) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-def pced(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pced.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def kv_files(store: Path):
@@ -97,7 +91,7 @@ def test_empty_documents_are_skipped_with_a_warning(tmp_path, caplog):
 def test_long_documents_are_chunked_and_logged(tmp_path, tiny_llm, caplog):
     long_text = " ".join(f"word{i}" for i in range(400))
     corpus = [Document("long", long_text, "Long"), Document("short", "Short text.")]
-    store, report = DocumentStore.index(corpus, tmp_path / "s", IndexSettings(model=str(tiny_llm.path), max_doc_tokens=128), llm=tiny_llm, progress=False)
+    store, report = index_store(corpus, tmp_path / "s", IndexSettings(model=str(tiny_llm.path), max_doc_tokens=128), llm=tiny_llm, progress=False)
     assert report["chunked"] == ["long"]
     chunk_ids = [d.id for d in store.documents if d.id.startswith("long#")]
     assert len(chunk_ids) >= 3
@@ -110,10 +104,10 @@ def test_long_documents_are_chunked_and_logged(tmp_path, tiny_llm, caplog):
 def test_incremental_add_encodes_only_new_documents(tmp_path, tiny_llm):
     settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
     docs = [Document(d.get("id", "x"), d.get("text", "x"), d.get("title", "")) for d in CORPUS[:4]]
-    store, report = DocumentStore.index(docs[:2], tmp_path / "s", settings, llm=tiny_llm, progress=False)
+    store, report = index_store(docs[:2], tmp_path / "s", settings, llm=tiny_llm, progress=False)
     assert report["kv_encoded"] == 2
     dense_before = store.retriever("dense").embeddings[:2].copy()
-    store, report = DocumentStore.index(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False)
+    store, report = index_store(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False)
     assert (report["added"], report["updated"], report["kv_encoded"]) == (2, 0, 2)
     assert [d.id for d in store.documents] == [d.id for d in docs]
     assert (store.retriever("dense").embeddings[:2] == dense_before).all()
@@ -121,7 +115,7 @@ def test_incremental_add_encodes_only_new_documents(tmp_path, tiny_llm):
     assert abs(store.retriever("dense").embeddings[3] - fresh[0]).max() < 1e-5
     assert len(kv_files(tmp_path / "s")) == 4
     changed = [Document("quell", "Mira Quell was born in Brask.", "Mira Quell")]
-    store, report = DocumentStore.index(changed, tmp_path / "s", settings, llm=tiny_llm, progress=False)
+    store, report = index_store(changed, tmp_path / "s", settings, llm=tiny_llm, progress=False)
     assert (report["added"], report["updated"]) == (0, 1)
     assert store.documents[1].text == "Mira Quell was born in Brask."
     assert store.retrieve("Where was Mira Quell born?", "sparse", top_k=1)[0].document.id == "quell"
@@ -130,42 +124,44 @@ def test_incremental_add_encodes_only_new_documents(tmp_path, tiny_llm):
 def test_lazy_kv_store_encodes_a_document_the_first_time_it_is_retrieved(tmp_path, tiny_llm):
     settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
     docs = [Document(d.get("id", "x"), d.get("text", "x"), d.get("title", "")) for d in CORPUS[:4]]
-    store, report = DocumentStore.index(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False, encode_kv=False)
+    store, report = index_store(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False, encode_kv=False)
     assert report["kv_encoded"] == 0 and kv_files(tmp_path / "s") == []
     found = store.retrieve("Where was Mira Quell born?", "sparse", top_k=1)
     assert found[0].document.id == "quell"
     lazy = store.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
     assert len(kv_files(tmp_path / "s")) == 1  # only the retrieved document
-    eager, _ = DocumentStore.index(docs, tmp_path / "e", settings, llm=tiny_llm, progress=False)
+    eager, _ = index_store(docs, tmp_path / "e", settings, llm=tiny_llm, progress=False)
     again = eager.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
     assert lazy.token_ids == again.token_ids
 
 
 def test_demo_question_path_runs_on_a_store(tmp_path, tiny_llm):
-    # pced demo asks through run_question with its own namespace: every option it reads must be there
-    from pced.cli_store import demo_ask_args, run_question
+    # pced demo asks through the one pipeline with its own options
+    from pced.cli.store import DEMO_OPTIONS
+    from pced.pipeline import ask
 
     settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
     docs = [Document(d.get("id", "x"), d.get("text", "x"), d.get("title", "")) for d in CORPUS[:4]]
-    store, _ = DocumentStore.index(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False)
-    generation, candidates, _ = run_question(store, "Where was Mira Quell born?", demo_ask_args())
+    store, _ = index_store(docs, tmp_path / "s", settings, llm=tiny_llm, progress=False)
+    asked = ask(store, "Where was Mira Quell born?", DEMO_OPTIONS)
+    generation, candidates = asked.generation, asked.candidates
     assert len(candidates) == 4 and generation.answer().token_ids
     assert generation.rule_config.gamma == 2.5  # the tiny store's model is a plain llama: the paper's gamma
 
 
 def test_store_refuses_another_model_or_embedder(tmp_path, tiny_llm, embedded_llm):
     docs = [Document("a", "Alpha text."), Document("b", "Beta text.")]
-    DocumentStore.index(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
+    index_store(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
     with pytest.raises(StoreError, match="built with model"):
         DocumentStore.open(tmp_path / "s", embedded_llm)
     with pytest.raises(StoreError, match="was built with"):
-        DocumentStore.index(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path), dense_model="/elsewhere"), llm=tiny_llm, progress=False)
+        index_store(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path), dense_model="/elsewhere"), llm=tiny_llm, progress=False)
     with pytest.raises(StoreError, match="not a pced store"):
         DocumentStore.open(tmp_path)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="not a pced store"):
-        DocumentStore.index(docs, tmp_path / "other", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
+        index_store(docs, tmp_path / "other", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
 
 
 def test_killed_index_run_completes_on_rerun(tmp_path, tiny_model_dir):

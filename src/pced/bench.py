@@ -18,10 +18,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .baselines.concat import PlainGeneration
-from .decoding import Expert, Generation, SamplingConfig
-from .kvstore import KVStore, atomic_write_json
+from .answers import SamplingConfig
+from .documents import Candidate, Document
+from .engine import Engine
+from .fs import atomic_write_json, atomic_write_text
+from .kvstore import KVStore
 from .llm import LoadedModel
+from .options import DEFAULT_STORAGE_DTYPE, AskOptions
+from .pipeline import ask_candidates
 from .prompts import RAG_TEMPLATE, PromptBuilder
 
 
@@ -31,7 +35,7 @@ class BenchConfig:
     doc_tokens: tuple[int, ...] = (256, 448)
     new_tokens: int = 16  # for per-token decode time
     repeats: int = 3
-    storage_dtype: str = "float16"
+    storage_dtype: str = DEFAULT_STORAGE_DTYPE
     methods: tuple[str, ...] = ("pced", "all", "ape")
     storage_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     long_new_tokens: int = 128  # end-to-end latency of a long answer at the largest k
@@ -65,6 +69,17 @@ def _run(generation) -> dict:
     return t
 
 
+def bench_engine(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str) -> Engine:
+    """The engine over the bench's KV store for documents of ``doc_tokens`` tokens (RAG template)."""
+    return Engine(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype)
+
+
+def start(engine: Engine, method: str, docs: list[Document], gold: list[str], question: str, sampling: SamplingConfig):
+    """One answer through the question pipeline: the gold document gets relevance 0.8, the others 0.5."""
+    candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
+    return ask_candidates(engine, candidates, question, AskOptions(method=method, sampling=sampling)).generation
+
+
 def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: int) -> tuple[list[Document], str, list[str]]:
     from .evaluation.secret_code import make_secret_code
 
@@ -77,9 +92,8 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     # gold first, so every k includes the document that holds the answer
     docs.sort(key=lambda d: d.id not in gold)
-    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
-    store_dir = root / f"kv-L{doc_tokens}-{cfg.storage_dtype}"
-    store = KVStore(store_dir, llm, builder, cfg.storage_dtype)
+    engine = bench_engine(llm, root, doc_tokens, cfg.storage_dtype)
+    store, builder = engine.store, engine.builder
     started = time.perf_counter()
     digests = store.add([d.render() for d in docs], progress=False)
     index_s = time.perf_counter() - started
@@ -93,32 +107,20 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
     }
     storage["bytes_per_token"] = storage["bytes"] / max(1, stored_tokens)
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
-    suffix = builder.suffix_ids(question)
-    amateur_suffix = builder.suffix_ids(question, with_context=False)
     rows = []
     for k in cfg.ks:
-        chosen = list(zip(docs[:k], digests[:k], files[:k]))
-        experts = [Expert(d.id, 0.8 if d.id in gold else 0.5, lambda h=h: store.load(h)) for d, h, _ in chosen]
-        context_tokens = len(builder.prompt_ids([d.render() for d, _, _ in chosen], question))
+        chosen, chosen_files = docs[:k], files[:k]
+        context_tokens = len(builder.prompt_ids([d.render() for d in chosen], question))
         row = {"k": k, "doc_tokens": doc_tokens, "context_tokens": context_tokens}
         for method in cfg.methods:
             runs, cold_runs = [], []
             for _ in range(cfg.repeats):
-                if method == "pced":
-                    make = lambda: Generation(llm, store.prefix(), experts, suffix, amateur_suffix, sampling=sampling)
-                    runs.append(_run(make()))
-                    if cfg.cold:
-                        evict_from_page_cache([f for _, _, f in chosen])
-                        cold_runs.append(_run(make()))
-                elif method == "all":
-                    if llm.max_context and context_tokens + cfg.new_tokens > llm.max_context:
-                        break
-                    ids = builder.prompt_ids([d.render() for d, _, _ in chosen], question)
-                    runs.append(_run(PlainGeneration(llm, ids, sampling, method="all")))
-                elif method == "ape":
-                    from .baselines.ape import ape_from_store
-
-                    runs.append(_run(ape_from_store(llm, store, [d.render() for d, _, _ in chosen], question, sampling)))
+                if method == "all" and llm.max_context and context_tokens + cfg.new_tokens > llm.max_context:
+                    break
+                runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
+                if method == "pced" and cfg.cold:
+                    evict_from_page_cache(chosen_files)
+                    cold_runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
                 bar.update(1)
             if not runs:
                 row[method] = None  # does not fit the model's window
@@ -154,8 +156,8 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     results["end_to_end"] = bench_end_to_end(llm, cfg, root) if cfg.long_new_tokens else None
     if cfg.memory:
         results["memory"] = bench_memory(cfg, root)
-    atomic_write_json(results, root / "bench.json")
-    (root / "bench.md").write_text(markdown_report(results))
+    atomic_write_json(root / "bench.json", results)
+    atomic_write_text(root / "bench.md", markdown_report(results))
     plot(results, root)
     return results
 
@@ -188,21 +190,17 @@ def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path) -> dict:
     L = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), L, cfg.seed)
     docs.sort(key=lambda d: d.id not in gold)
-    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
-    store = KVStore(root / f"kv-L{L}-{cfg.storage_dtype}", llm, builder, cfg.storage_dtype)
+    engine = bench_engine(llm, root, L, cfg.storage_dtype)
+    builder = engine.builder
     sampling = SamplingConfig(max_new_tokens=cfg.long_new_tokens, ignore_eos=True)
     fitting = [k for k in cfg.ks if not llm.max_context or
                len(builder.prompt_ids([d.render() for d in docs[:k]], question)) + cfg.long_new_tokens <= llm.max_context]
     k = max(fitting) if fitting else min(cfg.ks)
     chosen = docs[:k]
-    digests = store.add([d.render() for d in chosen], progress=False)
-    experts = [Expert(d.id, 0.8 if d.id in gold else 0.5, lambda h=h: store.load(h)) for d, h in zip(chosen, digests)]
     out = {"k": k, "doc_tokens": L, "new_tokens": cfg.long_new_tokens}
-    out["pced"] = _run(Generation(llm, store.prefix(), experts, builder.suffix_ids(question),
-                                  builder.suffix_ids(question, False), sampling=sampling))
+    out["pced"] = _run(start(engine, "pced", chosen, gold, question, sampling))
     if fitting:
-        ids = builder.prompt_ids([d.render() for d in chosen], question)
-        out["all"] = _run(PlainGeneration(llm, ids, sampling, method="all"))
+        out["all"] = _run(start(engine, "all", chosen, gold, question, sampling))
     return out
 
 
@@ -237,19 +235,8 @@ def memory_probe(method: str, k: int, doc_tokens: int, root: str, storage_dtype:
     llm = load_model(device="cpu", dtype="float32")
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     docs, question, gold = secret_code_documents(llm, k, doc_tokens, seed)
-    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
-    store = KVStore(Path(root) / f"kv-L{doc_tokens}-{storage_dtype}", llm, builder, storage_dtype)
-    digests = store.add([d.render() for d in docs], progress=False)
-    sampling = SamplingConfig(max_new_tokens=8, ignore_eos=True)
-    if method == "pced":
-        experts = [Expert(d.id, 0.5, lambda h=h: store.load(h)) for d, h in zip(docs, digests)]
-        generation = Generation(llm, store.prefix(), experts, builder.suffix_ids(question), builder.suffix_ids(question, False), sampling=sampling)
-    elif method == "all":
-        generation = PlainGeneration(llm, builder.prompt_ids([d.render() for d in docs], question), sampling)
-    else:
-        from .baselines.ape import ape_from_store
-
-        generation = ape_from_store(llm, store, [d.render() for d in docs], question, sampling)
+    engine = bench_engine(llm, Path(root), doc_tokens, storage_dtype)
+    generation = start(engine, method, docs, [], question, SamplingConfig(max_new_tokens=8, ignore_eos=True))
     with torch.inference_mode():  # fault in the (memory-mapped) weights before measuring
         llm.model(torch.tensor([[1, 2, 3]], device=llm.device))
     idle = _rss_mb()

@@ -1,16 +1,33 @@
-"""Decoding defaults: the paper's settings, and the ones our measurements chose per model family.
+"""The default model, and the one place that resolves which rule a model decodes with: the paper's, then our measured
+override for the model's family, then whatever the caller set explicitly.
 
 The paper fixes raw-logit scores, dynamic beta, gamma = 2.5 and max aggregation for 8B-13B
 models. ``MODEL_FAMILY_RULES`` overrides a setting for a model family only where our own
-evaluation on real data (README "Results") showed the paper's choice losing; ``--paper-defaults``
-always restores the paper's rule.
+evaluation on real data (README "Results") showed the paper's choice losing; ``paper=True``
+(``--paper-defaults``) always restores the paper's rule. The library (``Engine``, ``ask``), the
+CLI, the server and ``pced eval`` all call ``resolve_rule``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
 from .rule import RuleConfig
 
+EMBEDDED = "embedded"  # the --model setting (and store setting) of the embedded default model
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def is_embedded(model: object) -> bool:
+    """Whether a ``--model`` setting names the embedded model (unset, "embedded" or its name)."""
+    return model is None or (isinstance(model, str) and model in ("", EMBEDDED, EMBEDDED_NAME))
+
+
 PAPER_RULE = RuleConfig(beta="dynamic", gamma=2.5, aggregation="max", score_space="logits")
+RULE_FIELDS = ("beta", "gamma", "aggregation", "score_space")
 
 # model_type / name prefix -> overrides measured on our data (README "Results", "Defaults").
 # smollm2: gamma 32 instead of 2.5. With the embedded hybrid retriever one question's candidates
@@ -19,37 +36,32 @@ PAPER_RULE = RuleConfig(beta="dynamic", gamma=2.5, aggregation="max", score_spac
 MODEL_FAMILY_RULES: dict[str, dict] = {"smollm2": {"gamma": 32.0}}
 
 
-def family_of(llm) -> str:
-    name = getattr(llm, "name", "") or ""
-    return "smollm2" if name.lower().startswith("smollm2") else getattr(llm.model.config, "model_type", "")
-
-
-def family_of_model(model: str | None) -> str:
-    """The family of a ``--model`` setting without loading it: None / "embedded" is SmolLM2."""
-    import json
-    from pathlib import Path
-
-    if model in (None, "embedded"):
+def model_family(model: object = None) -> str:
+    """The family of a loaded model (anything with ``name`` and ``model.config``) or of a ``--model``
+    setting without loading it (None / "embedded" is the embedded SmolLM2; a directory's
+    ``config.json`` names its ``model_type``). Unknown: ""."""
+    if is_embedded(model):
         return "smollm2"
-    path = Path(model).expanduser()
-    if path.name.lower().startswith("smollm2"):
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.name.lower().startswith("smollm2"):
+            return "smollm2"
+        try:
+            return json.loads((path / "config.json").read_text()).get("model_type", "")
+        except (OSError, ValueError):
+            return ""
+    name = getattr(model, "name", "") or ""
+    if name.lower().startswith("smollm2"):
         return "smollm2"
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError):
-        return ""
+    return getattr(getattr(getattr(model, "model", None), "config", None), "model_type", "") or ""
 
 
-def default_gamma(model: str | None, paper: bool = False) -> float:
-    """gamma when the user sets none: the paper's 2.5 unless the model family has a measured override."""
-    if paper:
-        return PAPER_RULE.gamma
-    return float(MODEL_FAMILY_RULES.get(family_of_model(model), {}).get("gamma", PAPER_RULE.gamma))
-
-
-def default_rule(llm=None, paper: bool = False) -> RuleConfig:
-    """The rule to use when the user sets nothing: the paper's, with measured family overrides."""
-    if paper or llm is None:
-        return PAPER_RULE
-    overrides = MODEL_FAMILY_RULES.get(family_of(llm), {})
-    return RuleConfig(**{**PAPER_RULE.__dict__, **overrides})
+def resolve_rule(model: object = None, paper: bool = False, **settings) -> RuleConfig:
+    """The rule for ``model`` (see ``model_family``): the paper's, the family's measured overrides
+    unless ``paper``, then every setting given that is not None (beta, gamma, aggregation, score_space)."""
+    unknown = set(settings) - set(RULE_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown rule settings: {', '.join(sorted(unknown))}")
+    overrides = {} if paper else dict(MODEL_FAMILY_RULES.get(model_family(model), {}))
+    overrides.update({k: v for k, v in settings.items() if v is not None})
+    return replace(PAPER_RULE, **overrides)

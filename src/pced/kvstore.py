@@ -18,18 +18,18 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .cache import BufferCache, forward_slots
+from .fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
 from .llm import DTYPES, LoadedModel
+from .options import DEFAULT_STORAGE_DTYPE
 from .prompts import PromptBuilder
 
 FORMAT_VERSION = 1
@@ -125,46 +125,10 @@ def mmap_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
     return meta, tensors
 
 
-_UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it
-os.umask(_UMASK)
-
-
-def shareable(path: str | os.PathLike) -> None:
-    """Give a ``mkstemp`` file (mode 0600) the mode a plain ``open`` would: 0666 minus the umask,
-    so a store or result folder shared between users stays readable."""
-    os.chmod(path, 0o666 & ~_UMASK)
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        shareable(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_json(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-        shareable(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 class KVStore:
     """A directory of per-document caches for one (model, tokenizer, template, storage dtype)."""
 
-    def __init__(self, root: str | os.PathLike, llm: LoadedModel, builder: PromptBuilder, storage_dtype: str = "float16"):
+    def __init__(self, root: str | os.PathLike, llm: LoadedModel, builder: PromptBuilder, storage_dtype: str = DEFAULT_STORAGE_DTYPE):
         if storage_dtype not in DTYPES:
             raise ValueError(f"storage dtype must be one of {', '.join(DTYPES)}, got {storage_dtype!r}")
         self.root = Path(root)
@@ -198,7 +162,7 @@ class KVStore:
                         "use another directory or rebuild it"
                     )
             return
-        atomic_write_json(self.identity, manifest)
+        atomic_write_json(manifest, self.identity)
 
     def _metadata(self, content: str, n_tokens: int) -> dict[str, str]:
         meta = {k: str(v) for k, v in self.identity.items()}
@@ -238,7 +202,7 @@ class KVStore:
             bar = tqdm(total=len(items), desc="encoding documents", unit="doc", disable=not progress)
             for start in range(0, len(items), batch_size):
                 chunk = items[start : start + batch_size]
-                token_ids = [self.builder._encode(text) for _, text in chunk]
+                token_ids = [self.builder.encode(text) for _, text in chunk]
                 for (digest, _), kv in zip(chunk, encode_documents(self.llm, prefix, token_ids)):
                     self._save(kv, digest, self.path_for(digest))
                 bar.update(len(chunk))
@@ -249,15 +213,15 @@ class KVStore:
         """Temporary files of a run that was killed mid-write. Only the single indexing writer may
         call this: ``add`` also runs on every answer (readers, the server), where it could delete
         another process's file in flight."""
-        for stale in list(self.root.glob(".tmp-*")) + list((self.root / "kv").glob("*/.tmp-*")):
-            stale.unlink(missing_ok=True)
+        sweep_temporaries(self.root)
+        sweep_temporaries(self.root / "kv", "*/")
 
     def _save(self, kv: DocKV, digest: str, path: Path) -> None:
         dtype = DTYPES[self.storage_dtype]
-        _atomic_save(
+        atomic_save_tensors(
+            path,
             {"keys": kv.keys.to("cpu", dtype), "values": kv.values.to("cpu", dtype)},
             self._metadata(digest, kv.n_tokens),
-            path,
         )
 
     def load(self, digest: str) -> DocKV:

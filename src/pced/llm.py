@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+from .defaults import EMBEDDED_NAME, is_embedded
+from .fs import staging_dir, swap_directory
+
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -121,18 +121,11 @@ def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict(), strict=False)
     plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    try:
+    with staging_dir(target) as staging:
         plain.save_pretrained(staging, safe_serialization=True)
         plain.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        swap_directory(staging, target)
 
 
 def model_fingerprint(path: Path, config: object) -> str:
@@ -178,7 +171,7 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # pced draws its own progress; a bar per load is noise
-    if path is None or str(path) in ("", "embedded", EMBEDDED_NAME):
+    if is_embedded(path if path is None else str(path)):
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:
         folder = Path(path).expanduser()

@@ -120,7 +120,7 @@ class PromptBuilder:
         question = "What is it?"
 
         def agrees() -> bool:
-            return all(self.prompt_ids([doc], question) == self._encode(self.render([doc], question)) for doc in probes)
+            return all(self.prompt_ids([doc], question) == self.encode(self.render([doc], question)) for doc in probes)
 
         for leads in (True, False):
             self.separator_leads_suffix = leads
@@ -143,19 +143,19 @@ class PromptBuilder:
         lead = CONTEXT_SEPARATOR if (with_context and self.separator_leads_suffix) else ""
         return lead + self.template.question_text(question) + self._suffix_tail
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     @cached_property
     def prefix_ids(self) -> list[int]:
-        return self._encode(self._prefix_text)
+        return self.encode(self._prefix_text)
 
     def context_ids(self, documents: list[str]) -> list[int]:
-        return self._encode(self.context_text(documents))
+        return self.encode(self.context_text(documents))
 
     def suffix_ids(self, question: str, with_context: bool = True) -> list[int]:
         """The question segment after a document (experts) or right after the prefix (amateur)."""
-        return self._encode(self.suffix_text(question, with_context))
+        return self.encode(self.suffix_text(question, with_context))
 
     def prompt_ids(self, documents: list[str], question: str) -> list[int]:
         """The plain path: prefix + context(documents) + suffix, the ids a concatenation baseline feeds."""

@@ -21,14 +21,14 @@ QUESTION = "Where was the founder of Zorblax born?"
 def tiny_store(tmp_path_factory, tiny_llm):
     """Build once per session (the folder is shared by every server test module), then open."""
     from pced.documents import Document
-    from pced.store import DocumentStore, IndexSettings
+    from pced.store import DocumentStore, IndexSettings, index_store
 
     root = Path(tmp_path_factory.getbasetemp()) / "server-store"
     if (root / "manifest.json").is_file():
         return DocumentStore.open(root, tiny_llm)
     documents = [Document(doc_id, text, title) for doc_id, title, text in CORPUS]
-    store, _ = DocumentStore.index(documents, root, IndexSettings(model=str(tiny_llm.path), storage_dtype="float32"),
-                                   llm=tiny_llm, progress=False)
+    store, _ = index_store(documents, root, IndexSettings(model=str(tiny_llm.path), storage_dtype="float32"),
+                           llm=tiny_llm, progress=False)
     return store
 
 

@@ -33,9 +33,9 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run_bench
-    from .cli import InputError
-    from .llm import load_model
+    from ..bench import BenchConfig, run_bench
+    from ..llm import load_model
+    from .common import InputError
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if not methods or not set(methods) <= {"pced", "all", "ape"}:

@@ -10,7 +10,7 @@ import argparse
 import logging
 import math
 
-from .cli import InputError, add_model_options
+from .common import InputError, add_model_options
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
 
@@ -92,9 +92,9 @@ def _choices(text: str | None, option: str, allowed) -> list[str] | None:
 
 def config_from(args: argparse.Namespace):
     """EvalConfig from the command line; every value checked, nothing loaded."""
-    from .evaluation.runner import EvalConfig
-    from .methods import METHODS
-    from .rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+    from ..evaluation.config import EvalConfig
+    from ..options import METHODS
+    from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
 
     if args.setting not in (None, "distractor", "corpus"):
         raise InputError(f"--setting: {args.setting!r} is not one of distractor, corpus")
@@ -130,7 +130,7 @@ def config_from(args: argparse.Namespace):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluation.runner import run_eval, validate
+    from ..evaluation.runner import run_eval, validate
 
     logging.basicConfig(level=logging.WARNING, format="pced: %(message)s")
     run_eval(validate(config_from(args)))

@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from .cli import InputError, add_model_options
+from .common import InputError, add_model_options, open_store
 
 
 def add_serve_parser(sub) -> None:
@@ -18,11 +18,18 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PCED_API_KEY if set, else open)")
     add_model_options(p)
+    from ..server.schemas import Limits
+
+    defaults = Limits()
     limits = p.add_argument_group("limits")
-    limits.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body (default 1 MB)")
-    limits.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
-    limits.add_argument("--max-queue", type=int, default=64, help="requests queued or running before 503 (default 64)")
-    limits.add_argument("--max-documents", type=int, default=64, help="documents a request may carry (default 64)")
+    limits.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help=f"largest request body (default {defaults.max_body_bytes} bytes)")
+    limits.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                        help=f"largest max_tokens a request may ask (default {defaults.max_tokens})")
+    limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help=f"requests queued or running before 503 (default {defaults.max_queue})")
+    limits.add_argument("--max-documents", type=int, default=defaults.max_documents,
+                        help=f"documents a request may carry (default {defaults.max_documents})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -45,24 +52,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .server import Limits, create_app
+        from ..server import Limits, create_app
     except ImportError as exc:
         raise InputError(f"pced serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn") from None
-    from .llm import load_model
-    from .store import DocumentStore
 
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
-                    max_documents=args.max_documents, default_max_tokens=min(64, args.max_tokens))
-    store = DocumentStore.open(args.store)
-    if args.model is not None or args.device is not None or args.dtype != "auto":
-        default = None if store.settings.model == "embedded" else store.settings.model
-        store = DocumentStore.open(args.store, load_model(args.model or default, device=args.device, dtype=args.dtype))
-    import dataclasses
-
-    from .defaults import default_gamma
-
-    limits = dataclasses.replace(limits, default_gamma=default_gamma(args.model or store.settings.model))
+                    max_documents=args.max_documents,
+                    default_max_tokens=min(Limits.default_max_tokens, args.max_tokens))
+    store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
     app = create_app(store, limits, api_key=api_key)
     app.state.worker.warm_up()

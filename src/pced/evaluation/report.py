@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
+
+from pced.fs import atomic_write_text
 
 __all__ = ["completed_pairs", "format_table", "read_results", "summarize", "write_plots", "write_reports"]
 
@@ -197,20 +198,6 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
     return written
 
 
-def _write_text(text: str, path: Path) -> None:
-    from pced.kvstore import shareable
-
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        shareable(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_reports(out: str | os.PathLike, meta: dict) -> dict:
     """Rebuild summary.json, table.md, paired.md and the plots from ``out/results.jsonl``; returns the summary."""
     from .compare import format_comparison, paired_comparison
@@ -219,10 +206,9 @@ def write_reports(out: str | os.PathLike, meta: dict) -> dict:
     records = read_results(out / "results.jsonl")
     summary = summarize(records, meta)
     summary["paired"] = paired_comparison(records)  # every config against the first (PCED's default rule)
-    _write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", out / "summary.json")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     table = format_table(summary)
-    _write_text(table, out / "table.md")
-    _write_text(format_comparison(summary["paired"], f"{summary.get('dataset')}: paired differences"),
-                out / "paired.md")
+    atomic_write_text(out / "table.md", table)
+    atomic_write_text(out / "paired.md", format_comparison(summary["paired"], f"{summary.get('dataset')}: paired differences"))
     write_plots(summary, out)
     return summary

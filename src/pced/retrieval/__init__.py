@@ -32,6 +32,7 @@ _LAZY = {
     "Reranker": "rerankers", "SequenceClassifierReranker": "rerankers",
     "CrossEncoderReranker": "rerankers", "load_reranker": "rerankers",
     "Candidate": "candidates", "retrieve": "candidates", "relevances": "candidates",
+    "rank_given": "candidates", "rescore": "candidates",
     "DEFAULT_TOP_K": "candidates",
     "load_retriever": "registry", "default_retriever": "registry",
 }

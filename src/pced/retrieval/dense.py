@@ -22,6 +22,7 @@ from pced.retrieval._local_models import (
     local_model_dir,
     model_reference,
 )
+from pced.documents import Document
 from pced.retrieval.base import BaseRetriever, load_doc_ids, save_doc_ids
 from pced.retrieval.scores import normalize_dense
 from pced.retrieval.storage import (
@@ -78,6 +79,24 @@ class DenseRetriever(BaseRetriever):
 
     def _index_texts(self, texts: list[str]) -> None:
         self.embeddings = self.encode(texts, self.document_prompt)
+
+    def index_reusing(self, documents: Sequence[Document], previous: DenseRetriever | None,
+                      previous_documents: Sequence[Document] = ()) -> DenseRetriever:
+        """``index``, embedding only documents that are new or changed since ``previous`` (an
+        index of ``previous_documents``); the others keep their stored vectors."""
+        documents = list(documents)
+        reuse: dict[str, tuple] = {}
+        if previous is not None:
+            old_docs = {d.id: d for d in previous_documents}
+            for row, doc_id in enumerate(previous.doc_ids):
+                reuse[doc_id] = (old_docs.get(doc_id), row)
+        fresh = [d for d in documents if d.id not in reuse or reuse[d.id][0] != d]
+        vectors = dict(zip([d.id for d in fresh], self.encode([d.render() for d in fresh], self.document_prompt))) if fresh else {}
+        rows = [vectors[d.id] if d.id in vectors else np.asarray(previous.embeddings[reuse[d.id][1]]) for d in documents]
+        self.embeddings = np.stack(rows).astype(np.float32)
+        self.doc_ids = [d.id for d in documents]
+        self.documents = documents
+        return self
 
     def scores_many(self, queries: Sequence[str]) -> np.ndarray:
         self._require_index()

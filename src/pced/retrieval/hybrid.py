@@ -10,7 +10,7 @@ a default.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ class HybridRetriever(BaseRetriever):
     """Union of a sparse and a dense retriever's top-N, ranked by the fused relevance."""
 
     kind = "hybrid"
+    composite = True  # its load opens its components through the registry
 
     def __init__(self, sparse: BaseRetriever, dense: BaseRetriever, name: str | None = None) -> None:
         super().__init__()
@@ -89,13 +90,13 @@ class HybridRetriever(BaseRetriever):
                        describe=self.describe())
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, **kwargs: Any) -> HybridRetriever:
-        """Open both components (``kwargs`` go to the dense component's ``load``)."""
-        from pced.retrieval.registry import load_retriever
-
+    def load(cls, directory: str | os.PathLike, load_component: Callable[..., BaseRetriever],
+             **kwargs: Any) -> HybridRetriever:
+        """Open both components with ``load_component`` (the registry's ``load_retriever``, which
+        passes itself; ``kwargs`` go to the dense component's ``load``)."""
         manifest = read_manifest(directory, TYPE)
-        sparse = load_retriever(Path(directory) / "sparse")
-        dense = load_retriever(Path(directory) / "dense", **kwargs)
+        sparse = load_component(Path(directory) / "sparse")
+        dense = load_component(Path(directory) / "dense", **kwargs)
         return cls(sparse, dense, name=manifest["name"])
 
     def describe(self) -> dict[str, Any]:

@@ -32,7 +32,10 @@ def load_retriever(directory: str | os.PathLike, **kwargs: Any) -> BaseRetriever
     classes = _classes()
     if kind not in classes:
         raise ValueError(f"{directory}: unknown retriever type {kind!r}")
-    return classes[kind].load(directory, **kwargs)
+    cls = classes[kind]
+    if getattr(cls, "composite", False):
+        return cls.load(directory, load_component=load_retriever, **kwargs)
+    return cls.load(directory, **kwargs)
 
 
 def default_retriever() -> BaseRetriever:

@@ -16,15 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from pced.fs import staging_dir
 from pced.retrieval.base import BaseRetriever, load_doc_ids, save_doc_ids
 from pced.retrieval.scores import normalize_sparse
-from pced.retrieval.storage import (
-    library_versions,
-    move_files_into,
-    read_manifest,
-    scratch_dir,
-    write_manifest,
-)
+from pced.retrieval.storage import library_versions, move_files_into, read_manifest, write_manifest
 
 TYPE = "bm25"
 _BM25_SUBDIR = "bm25s"
@@ -72,7 +67,7 @@ class BM25Retriever(BaseRetriever):
         """Write the index into ``directory`` (other files there are left alone)."""
         self._require_index()
         directory = Path(directory)
-        with scratch_dir(directory) as tmp:
+        with staging_dir(directory / _BM25_SUBDIR) as tmp:
             self._bm25.save(str(tmp), show_progress=False)
             move_files_into(tmp, directory / _BM25_SUBDIR)
         save_doc_ids(directory, self.doc_ids)

@@ -1,4 +1,4 @@
-"""On-disk helpers shared by every retriever: atomic writes, memory-mapped loads, fingerprints.
+"""On-disk helpers shared by every retriever: atomic writes (``pced.fs``), memory-mapped loads, fingerprints.
 
 Each file is written to a temporary name in the same directory and then ``os.replace``-d into
 place, so a crash never leaves a half-written index behind, and a process that has the old
@@ -9,38 +9,20 @@ Arrays are plain ``.npy`` without pickle; nothing here ever unpickles.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
-import secrets
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pced.fs import atomic_path, atomic_write_json
+
 MANIFEST = "retriever.json"
 FORMAT_VERSION = 1
 _FINGERPRINT_CHUNK = 1 << 20
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; move it over ``path`` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkstemp: its 0600 mode would make a shared index unreadable to other users.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> None:
@@ -56,8 +38,7 @@ def load_array(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
 
 def save_json(path: str | os.PathLike, obj: Any) -> None:
     """Write one JSON file atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    atomic_write_json(path, obj, sort_keys=False, ensure_ascii=False, newline=True)
 
 
 def load_json(path: str | os.PathLike) -> Any:
@@ -73,17 +54,6 @@ def move_files_into(src_dir: Path, dst_dir: Path) -> None:
     dst_dir.mkdir(parents=True, exist_ok=True)
     for item in sorted(src_dir.iterdir()):
         os.replace(item, dst_dir / item.name)
-
-
-@contextlib.contextmanager
-def scratch_dir(parent: str | os.PathLike) -> Iterator[Path]:
-    """A temporary directory inside ``parent`` (same file system, so ``os.replace`` works)."""
-    Path(parent).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".scratch-", dir=parent))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_manifest(directory: str | os.PathLike, retriever_type: str, **fields: Any) -> None:

@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 
-from ..engine import answer_json
+from ..answers import answer_json, experts_json
 from .worker import Finished, Started
 
 
@@ -41,8 +41,7 @@ def new_id() -> str:
 
 
 def experts_of(started: Started) -> list[dict]:
-    return [{"doc_id": c.document.id, "title": c.document.title, "relevance": c.relevance, "scores": c.scores}
-            for c in started.candidates]
+    return experts_json(started.candidates)
 
 
 def pced_contract(started: Started, finished: Finished) -> dict:

@@ -1,24 +1,26 @@
 """Request bodies of the server, their limits, and the step from a request to a Job.
 
 Pydantic checks shapes and types (strict: "5" is not a number); ``to_job`` checks what depends
-on the configured ``Limits`` and builds the RuleConfig / SamplingConfig the engine takes. Every
-failure is a ``RequestError`` (400 with an OpenAI-style error body), never a 500.
+on the configured ``Limits`` and builds the ``AskOptions`` the pipeline takes. Field defaults
+come from ``AskOptions`` and ``SamplingConfig``; a rule setting left out is the served model
+family's (resolved by the pipeline, as for ``pced ask``). Every failure is a ``RequestError``
+(400 with an OpenAI-style error body), never a 500.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..decoding import SamplingConfig
-from ..documents import Document
-from ..engine import Candidate
-from ..methods import METHODS
-from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES, RuleConfig
-from ..store import RETRIEVERS
+from ..answers import SamplingConfig
+from ..documents import Candidate, Document
+from ..options import METHODS, RETRIEVERS, AskOptions
+from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+
+SAMPLING = SamplingConfig()
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,10 @@ class Limits:
     max_top_k: int = 64
     max_top_n: int = 1000
     max_tokens: int = 1024
-    default_max_tokens: int = 64
+    default_max_tokens: int = SAMPLING.max_new_tokens
     max_stop: int = 4
     max_stop_chars: int = 64
     max_queue: int = 64
-    default_gamma: float = 2.5  # PCED's gamma when a request sets none: the model family's (pced.defaults)
 
 
 class RequestError(ValueError):
@@ -69,19 +70,19 @@ class DocumentIn(Strict):
 
 
 class PcedOptions(Strict):
-    """The PCED knobs (paper defaults); names follow ``pced ask``."""
+    """The PCED knobs; names and defaults follow ``AskOptions`` (None: the served model family's rule)."""
 
-    method: Method = "pced"
-    top_k: int = 8
-    top_n: int = 90
-    retriever: Retriever = "hybrid"
-    rerank: bool = True
-    beta: Union[float, BetaMode] = "dynamic"
-    gamma: float | None = None  # None: the served model family's default (Limits.default_gamma)
-    aggregation: Aggregation = "max"
-    score_space: ScoreSpace = "logits"
-    max_experts: int | None = None  # PCED: keep at most this many experts (by relevance)
-    prune_margin: float | None = None  # PCED: drop experts this many logits behind the best prior
+    method: Method = AskOptions.method
+    top_k: int = AskOptions.top_k
+    top_n: int = AskOptions.top_n
+    retriever: Retriever = AskOptions.retriever
+    rerank: bool = AskOptions.rerank
+    beta: Union[float, BetaMode, None] = AskOptions.beta
+    gamma: float | None = AskOptions.gamma
+    aggregation: Aggregation | None = AskOptions.aggregation
+    score_space: ScoreSpace | None = AskOptions.score_space
+    max_experts: int | None = AskOptions.max_experts
+    prune_margin: float | None = AskOptions.prune_margin
 
 
 class SamplingOptions(Strict):
@@ -138,15 +139,7 @@ class Job:
 
     question: str
     candidates: list[Candidate] | None  # None: retrieve from the store
-    method: str
-    top_k: int
-    top_n: int
-    retriever: str
-    rerank: bool
-    rule: RuleConfig
-    sampling: SamplingConfig
-    max_experts: int | None = None
-    prune_margin: float | None = None
+    options: AskOptions
 
 
 def question_of(messages: list[Message]) -> str:
@@ -216,23 +209,13 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
     if documents is not None and not documents:
         raise RequestError("documents is empty: leave it out to retrieve from the store", "documents")
     try:
-        gamma = limits.default_gamma if pced.gamma is None else pced.gamma
-        rule = RuleConfig(beta=pced.beta, gamma=gamma, aggregation=pced.aggregation, score_space=pced.score_space)
+        options = AskOptions(method=pced.method, top_k=pced.top_k, top_n=pced.top_n, retriever=pced.retriever,
+                             rerank=pced.rerank, beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation,
+                             score_space=pced.score_space, max_experts=pced.max_experts, prune_margin=pced.prune_margin)
     except ValueError as exc:
         raise RequestError(str(exc), "pced") from None
-    return Job(
-        question=question,
-        candidates=_candidates(documents, limits) if documents is not None else None,
-        method=pced.method,
-        top_k=pced.top_k,
-        top_n=pced.top_n,
-        retriever=pced.retriever,
-        rerank=pced.rerank,
-        rule=rule,
-        sampling=_sampling(sampling, limits),
-        max_experts=pced.max_experts,
-        prune_margin=pced.prune_margin,
-    )
+    candidates = _candidates(documents, limits) if documents is not None else None
+    return Job(question=question, candidates=candidates, options=replace(options, sampling=_sampling(sampling, limits)))
 
 
 def chat_job(request: ChatRequest, limits: Limits) -> Job:

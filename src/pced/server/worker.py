@@ -17,9 +17,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..decoding import Answer, Step
-from ..engine import Candidate, prune_candidates
-from ..methods import make_generation
+from ..answers import Answer
+from ..documents import Candidate
+from ..pipeline import ask, ask_candidates
 from ..store import StoreError
 from .schemas import Job, Limits, RequestError
 
@@ -105,7 +105,7 @@ class Worker:
     def _check_lengths(self, candidates: list[Candidate]) -> None:
         """Request documents get the store's own limit (longer ones would have been chunked at indexing)."""
         llm = self.store.llm
-        limit = min(self.store.settings.max_doc_tokens, max(64, (llm.max_context or 10**9) - 512))
+        limit = self.store.settings.document_token_limit(llm.max_context)
         for c in candidates:
             n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
             if n > limit:
@@ -119,20 +119,15 @@ class Worker:
             run.emit("cancelled", None)
             return
         try:
-            started = time.perf_counter()
             if job.candidates is None:
-                candidates = self.store.retrieve(job.question, job.retriever, top_k=job.top_k, top_n=job.top_n,
-                                                 rerank=job.rerank)
+                asked = ask(self.store, job.question, job.options)
             else:
-                candidates = job.candidates
-                self._check_lengths(candidates)
-            if job.method == "pced" and (job.max_experts is not None or job.prune_margin is not None):
-                candidates = prune_candidates(candidates, job.rule.gamma, job.max_experts, job.prune_margin)
-            retrieval_s = time.perf_counter() - started
-            generation = make_generation(self.store.engine, job.method, candidates, job.question, job.rule, job.sampling)
+                self._check_lengths(job.candidates)
+                asked = ask_candidates(self.store.engine, job.candidates, job.question, job.options)
+            generation = asked.generation
             steps = iter(generation)
             first = next(steps, None)  # the prefill: its errors still reach the client as a status code
-            run.emit("start", Started(candidates, retrieval_s, queue_s))
+            run.emit("start", Started(asked.candidates, asked.retrieval_s, queue_s))
             for step in itertools.chain([first] if first is not None else [], steps):
                 if run.cancelled.is_set():
                     break
@@ -141,8 +136,8 @@ class Worker:
             else:
                 answer = generation.answer()
                 answer.timings["queue_s"] = queue_s
-                finished = getattr(generation, "tracker", None) is not None and generation.tracker.finished
-                length = len(answer.trace) >= job.sampling.max_new_tokens and not finished
+                finished = generation.tracker.finished
+                length = len(answer.trace) >= job.options.sampling.max_new_tokens and not finished
                 prompt_tokens = len(self.store.llm.tokenizer.encode(job.question, add_special_tokens=False))
                 prompt_tokens += int(answer.stats.get("context_tokens", 0))
                 self._count("completed", run)

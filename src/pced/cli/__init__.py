@@ -1,0 +1,53 @@
+"""The ``pced`` command line: one module per subcommand, each on the same ``pced.pipeline``.
+
+Imports point one way: this module imports the subcommands, the subcommands import ``common``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .bench import add_bench_parser
+from .common import InputError
+from .eval import add_eval_parser
+from .generate import add_generate_parser
+from .serve import add_serve_parser
+from .store import add_ask_parser, add_demo_parser, add_index_parser
+
+__all__ = ["InputError", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pced", description="Parallel Context-of-Experts Decoding for RAG")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    add_generate_parser(sub)
+    add_index_parser(sub)
+    add_ask_parser(sub)
+    add_demo_parser(sub)
+    add_serve_parser(sub)
+    add_eval_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..corpus import CorpusError
+    from ..kvstore import CacheError
+    from ..llm import ModelLoadError
+    from ..prompts import PromptError
+    from ..store import StoreError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (InputError, ModelLoadError, CacheError, PromptError, CorpusError, StoreError, ValueError) as exc:
+        print(f"pced: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pced: interrupted", file=sys.stderr)
+        return 130
+
+

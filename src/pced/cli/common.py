@@ -1,0 +1,100 @@
+"""What the subcommands share: the one-line error type, model options, and the ask / decoding
+options whose defaults come from ``AskOptions`` and ``SamplingConfig`` (never restated here)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..answers import SamplingConfig
+from ..options import METHODS, RETRIEVERS, AskOptions
+from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+
+SAMPLING = SamplingConfig()
+
+
+class InputError(ValueError):
+    """Bad user input: reported as one line on stderr, exit code 2."""
+
+
+def parse_beta(value: str) -> str | float:
+    if value in BETA_MODES:
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"beta must be a number or one of {', '.join(BETA_MODES)}") from None
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+
+
+def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("retrieval")
+    group.add_argument("--method", default=AskOptions.method, help=f"{', '.join(METHODS)} (default {AskOptions.method})")
+    group.add_argument("--top-k", dest="top_k", type=int, default=AskOptions.top_k,
+                       help=f"documents used as experts (default {AskOptions.top_k})")
+    group.add_argument("--top-n", type=int, default=AskOptions.top_n,
+                       help=f"candidates retrieved before reranking (default {AskOptions.top_n})")
+    group.add_argument("--retriever", default=AskOptions.retriever,
+                       help=f"{', '.join(RETRIEVERS)} (default {AskOptions.retriever}); colbert needs a BGE-M3 store")
+    group.add_argument("--reranker", default=AskOptions.reranker, help="override the store's reranker path")
+    group.add_argument("--no-rerank", action="store_true", help="skip the store's reranker")
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding (unset rule settings: the model family's rule)")
+    group.add_argument("--beta", type=parse_beta, default=AskOptions.beta,
+                       help="dynamic (AdaCAD, the paper's), elementwise, or a number")
+    group.add_argument("--gamma", type=float, default=AskOptions.gamma,
+                       help="weight of the retrieval prior gamma*log r (default: the model family's measured value, "
+                            "32 for the embedded SmolLM2; the paper's 2.5 otherwise or with --paper-defaults)")
+    group.add_argument("--paper-defaults", action="store_true", help="unset settings from the paper's rule (gamma 2.5)")
+    group.add_argument("--aggregation", choices=AGGREGATIONS, default=AskOptions.aggregation, help="max (the paper's), moe, poe")
+    group.add_argument("--score-space", choices=SCORE_SPACES, default=AskOptions.score_space, help="logits (the paper's) or logprobs")
+    group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
+    group.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy (default)")
+    group.add_argument("--sample-top-k", dest="sample_top_k", type=int, default=SAMPLING.top_k,
+                       help="sampling: keep the k best tokens")
+    group.add_argument("--sample-top-p", dest="top_p", type=float, default=SAMPLING.top_p, help="sampling: nucleus mass")
+    group.add_argument("--seed", type=int, default=SAMPLING.seed)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--max-experts", type=int, default=AskOptions.max_experts,
+                       help="PCED: keep at most this many experts (by relevance)")
+    group.add_argument("--prune-margin", type=float, default=AskOptions.prune_margin,
+                       help="PCED: drop experts whose prior gamma*log r is this many logits below the best one")
+
+
+def ask_options_from(args: argparse.Namespace) -> AskOptions:
+    """AskOptions from parsed options; a subcommand without retrieval options keeps those defaults.
+    Every value is checked here, before any model or store loads."""
+    fields = {name: getattr(args, name) for name in ("method", "top_k", "top_n", "retriever", "reranker", "beta", "gamma",
+                                                     "aggregation", "score_space", "paper_defaults", "max_experts",
+                                                     "prune_margin") if hasattr(args, name)}
+    if getattr(args, "no_rerank", False):
+        fields["rerank"] = False
+    try:
+        sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
+                                  top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        return AskOptions(**fields, sampling=sampling)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def open_store(args: argparse.Namespace):
+    """The store of ``args.store``, with the model given by --model / --device / --dtype if any."""
+    from ..llm import load_model
+    from ..store import DocumentStore
+
+    store = DocumentStore.open(args.store)
+    if args.model is not None or args.device is not None or args.dtype != "auto":
+        llm = load_model(args.model or store.settings.model_path, device=args.device, dtype=args.dtype)
+        store = DocumentStore.open(args.store, llm)
+    return store
+
+
+__all__ = ["InputError", "add_decoding_options", "add_model_options", "add_retrieval_options", "ask_options_from",
+           "open_store", "parse_beta"]

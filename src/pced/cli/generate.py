@@ -1,0 +1,71 @@
+"""``pced generate``: answer a question over given documents with relevance scores (no store)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
+from .common import InputError, add_decoding_options, add_model_options, ask_options_from
+
+
+def add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="answer a question over given documents with relevance scores")
+    gen.add_argument("--docs", required=True, help='JSONL, one {"id", "text", "score"} per line (score = relevance in [0,1])')
+    gen.add_argument("--question", required=True)
+    gen.add_argument("--json", action="store_true", help="print the pced ask --json contract")
+    gen.add_argument("--template", choices=["rag", "icl"], default="rag")
+    gen.add_argument("--kv-dir", default=None, help="where document caches are stored (default: user cache)")
+    gen.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
+    add_model_options(gen)
+    add_decoding_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+
+def read_scored_documents(path: Path):
+    """DOCS.jsonl for ``pced generate``: one {"id", "text", "score"?, "title"?} per line."""
+    from ..documents import Candidate, Document
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    candidates, seen = [], set()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
+            raise InputError(f"{path}:{number}: each line needs a non-empty string field 'text'")
+        doc_id = str(record.get("id", f"doc{number}"))
+        if doc_id in seen:
+            raise InputError(f"{path}:{number}: duplicate id {doc_id!r}")
+        seen.add(doc_id)
+        score = record.get("score", 1.0)
+        if not isinstance(score, (int, float)) or not 0.0 <= float(score) <= 1.0:
+            raise InputError(f"{path}:{number}: 'score' must be a number in [0, 1], got {score!r}")
+        document = Document(id=doc_id, text=record["text"], title=str(record.get("title") or ""))
+        candidates.append(Candidate(document, float(score), {"given": float(score)}))
+    return candidates
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    candidates = read_scored_documents(Path(args.docs))
+    if not args.question.strip():
+        raise InputError("--question is empty")
+    options = ask_options_from(args)
+    from ..engine import Engine
+    from ..llm import load_model
+    from ..pipeline import ask_candidates
+
+    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype)
+    asked = ask_candidates(engine, candidates, args.question, options)
+    if args.json:
+        print(json.dumps(asked.json(), ensure_ascii=False))
+        return 0
+    from ..render import stream_answer
+
+    stream_answer(asked.generation, asked.candidates, args.question)
+    return 0

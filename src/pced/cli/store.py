@@ -1,0 +1,137 @@
+"""``pced index``, ``pced ask`` and ``pced demo``: the DocumentStore from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from importlib import resources
+
+from ..answers import SamplingConfig
+from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions
+from .common import (InputError, add_decoding_options, add_model_options, add_retrieval_options,
+                     ask_options_from, open_store)
+
+DEMO_QUESTIONS = "demo_questions.json"
+DEMO_CORPUS = "demo_corpus.jsonl"
+# What ``pced demo`` asks with: the defaults for the embedded model, top-4 of 30, no reranker, 48 tokens.
+DEMO_OPTIONS = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=48))
+
+
+def add_index_parser(sub) -> None:
+    from ..store import IndexSettings
+
+    defaults = IndexSettings()
+    p = sub.add_parser("index", help="build or extend a document store (retrieval indexes + KV caches)")
+    p.add_argument("corpus", help='JSONL: {"id", "text", "title"?} or LOFT {"pid", "title_text", "passage_text"} per line')
+    p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
+    p.add_argument("--model", default=None, help="local Hugging Face causal LM (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--bge-m3", default=defaults.bge_m3, help="local BGE-M3 directory: sparse/dense/ColBERT from BGE-M3 instead of BM25/MiniLM")
+    p.add_argument("--reranker", default=defaults.reranker, help="local cross-encoder or bge-reranker-v2-m3 directory, used by pced ask")
+    p.add_argument("--template", choices=["rag", "icl"], default=defaults.template)
+    p.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
+    p.add_argument("--max-doc-tokens", type=int, default=defaults.max_doc_tokens,
+                   help=f"longer documents are split into chunks (logged; default {defaults.max_doc_tokens})")
+    p.add_argument("--lazy-kv", action="store_true",
+                   help="build the retrieval indexes only; encode a document's KV cache the first time it is retrieved")
+    p.set_defaults(func=cmd_index)
+
+
+def add_ask_parser(sub) -> None:
+    p = sub.add_parser("ask", help="answer a question from a store")
+    p.add_argument("store", help="store directory built by pced index")
+    p.add_argument("question")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the DESIGN.md contract)")
+    p.add_argument("--trace-png", default=None, help="save the expert-trace picture to this PNG")
+    add_retrieval_options(p)
+    add_model_options(p)
+    add_decoding_options(p)
+    p.set_defaults(func=cmd_ask)
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="index a small built-in corpus once and answer three questions")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the demo store")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from ..corpus import read_corpus
+    from ..store import IndexSettings, index_store
+
+    logging.basicConfig(level=logging.WARNING, format="pced: %(message)s")
+    if args.max_doc_tokens < 16:
+        raise InputError("--max-doc-tokens must be at least 16")
+    corpus = read_corpus(args.corpus)  # validated before anything is written
+    settings = IndexSettings(
+        model=args.model or IndexSettings.model, dense_model=args.dense_model, bge_m3=args.bge_m3, reranker=args.reranker,
+        template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
+    )
+    _, report = index_store(corpus, args.out, settings, encode_kv=not args.lazy_kv)
+    print(
+        f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
+        f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"
+        f"{' (--lazy-kv: the others on first use)' if args.lazy_kv else ''}; "
+        f"retrieval indexes built in {report['retrieval_index_s']:.1f} s"
+    )
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from ..pipeline import ask
+
+    if not args.question.strip():
+        raise InputError("the question is empty")
+    options = ask_options_from(args)  # bad settings fail before any model loads
+    asked = ask(open_store(args), args.question, options)
+    if args.json:
+        answer = asked.answer()
+        print(json.dumps(asked.json(), ensure_ascii=False))
+    else:
+        from ..render import stream_answer
+
+        answer = stream_answer(asked.generation, asked.candidates, args.question)
+    if args.trace_png:
+        from ..trace_plot import save_trace_png
+
+        save_trace_png(answer, asked.candidates, args.trace_png, title=args.question)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .. import __version__
+    from ..corpus import read_corpus
+    from ..llm import cache_root
+    from ..pipeline import ask
+    from ..render import stream_answer
+    from ..store import DocumentStore, IndexSettings, StoreError, index_store
+    from ..trace_plot import save_trace_png
+
+    console = Console(highlight=False)
+    root = cache_root() / f"demo-store-{__version__}"
+    data = resources.files("pced") / "data"
+    store = None
+    if not args.rebuild:
+        try:
+            store = DocumentStore.open(root)
+        except StoreError:
+            store = None
+    if store is None:
+        console.print(f"[bold]Building the demo store[/bold] (once) in {root} ...")
+        with resources.as_file(data / DEMO_CORPUS) as corpus_path:
+            store, report = index_store(read_corpus(corpus_path), root, IndexSettings())
+        console.print(f"  {report['documents']} documents indexed, KV caches in {report['kv_s']:.1f} s")
+    questions = json.loads((data / DEMO_QUESTIONS).read_text())
+    traces = root.parent / "demo-traces"
+    for number, item in enumerate(questions, start=1):
+        console.rule(f"[bold]Question {number}[/bold] ({item['note']})")
+        asked = ask(store, item["question"], DEMO_OPTIONS)
+        answer = stream_answer(asked.generation, asked.candidates, item["question"], console)
+        found = item["answer"].lower() in answer.text.lower()
+        console.print(f"expected: {item['answer']}  {'[green]found in the answer[/green]' if found else '[red]not in the answer[/red]'}")
+        png = save_trace_png(answer, asked.candidates, traces / f"question{number}.png", title=item["question"])
+        console.print(f"[dim]trace picture: {png}[/dim]")
+    return 0

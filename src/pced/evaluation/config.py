@@ -1,0 +1,142 @@
+"""What one ``pced eval`` run asks for (``EvalConfig``), its checks, and the grid of method
+configurations it evaluates. Defaults come from ``AskOptions`` and ``IndexSettings``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+from typing import Sequence
+
+from pced.options import DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
+from pced.rule import Beta, RuleConfig
+
+class EvalError(ValueError):
+    """Bad evaluation settings or an output folder of another run; one line for the CLI."""
+
+
+@dataclass
+class EvalConfig:
+    """One ``pced eval`` run. A sweep field left None takes its value from the default rule."""
+
+    dataset: str
+    methods: Sequence[str] = ("pced",)
+    limit: int | None = None  # None = every example
+    setting: str | None = None  # None = the dataset's natural one
+    model: str | None = None  # None = the embedded default
+    device: str | None = None
+    dtype: str = "auto"
+    retriever: str = AskOptions.retriever
+    relevance: Sequence[str] | None = None  # PCED r_k from these retrievers (None: the retriever's)
+    top_k: Sequence[int] = (AskOptions.top_k,)
+    beta: Sequence[Beta] | None = None
+    gamma: Sequence[float] | None = None
+    aggregation: Sequence[str] | None = None
+    score_space: Sequence[str] | None = None
+    paper_defaults: bool = False
+    max_new_tokens: int = 32
+    seed: int = 42
+    top_n: int = AskOptions.top_n
+    data_dir: str | None = None
+    out: str | None = None
+    work_dir: str | None = None
+    bge_m3: str | None = None
+    reranker: str | None = None
+    storage_dtype: str = DEFAULT_STORAGE_DTYPE
+    max_doc_tokens: int = 1024  # IndexSettings.max_doc_tokens
+    progress: bool = True
+
+
+def _fmt(value) -> str:
+    return value if isinstance(value, str) else f"{float(value):g}"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One cell of the grid: a method, its rule (PCED only), top-k and retriever."""
+
+    method: str
+    top_k: int
+    retriever: str
+    rule: RuleConfig | None = None
+    relevance: str | None = None  # PCED only: the retriever r_k comes from, when not ``retriever``
+
+    @property
+    def key(self) -> str:
+        parts = [self.method]
+        if self.rule is not None:
+            r = self.rule
+            parts += [f"beta={_fmt(r.beta)}", f"gamma={_fmt(r.gamma)}", f"agg={r.aggregation}",
+                      f"space={r.score_space}"]
+        parts += [f"k={self.top_k}", f"ret={self.retriever}"]
+        return "|".join(parts + ([f"rel={self.relevance}"] if self.relevance else []))
+
+    def settings(self) -> dict:
+        out: dict = {}
+        if self.rule is not None:
+            out.update(beta=self.rule.beta, gamma=self.rule.gamma,
+                       aggregation=self.rule.aggregation, score_space=self.rule.score_space)
+        out.update(top_k=self.top_k, retriever=self.retriever)
+        return {**out, "relevance": self.relevance} if self.relevance else out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(config: EvalConfig) -> EvalConfig:
+    """Check every setting that needs no model or data; returns a normalized copy."""
+    from pced.options import check_method
+
+    methods = list(dict.fromkeys(config.methods))
+    if not methods:
+        raise EvalError("--methods is empty")
+    for method in methods:
+        check_method(method)
+    if config.limit is not None and config.limit < 1:
+        raise EvalError(f"--limit must be at least 1, got {config.limit}")
+    relevance = None if config.relevance is None else list(dict.fromkeys(config.relevance))
+    for name, option in [(config.retriever, "--retriever")] + [(r, "--relevance") for r in relevance or []]:
+        if name not in RETRIEVERS:
+            raise EvalError(f"{option}: unknown retriever {name!r}; choose one of {', '.join(RETRIEVERS)}")
+        if name == "colbert" and not config.bge_m3:
+            raise EvalError(f"{option}: colbert needs --bge-m3 PATH (a local BGE-M3 model)")
+    if relevance == []:
+        raise EvalError("--relevance is empty")
+    top_k = list(dict.fromkeys(config.top_k))
+    if not top_k or any(int(k) != k or k < 1 for k in top_k):
+        raise EvalError(f"--top-k values must be integers >= 1, got {config.top_k!r}")
+    for name, minimum in (("max_new_tokens", 1), ("top_n", 1), ("max_doc_tokens", 16)):
+        if getattr(config, name) < minimum:
+            raise EvalError(f"--{name.replace('_', '-')} must be at least {minimum}")
+    sweeps = {}
+    for name in ("beta", "gamma", "aggregation", "score_space"):
+        values, option = getattr(config, name), "--" + name.replace("_", "-")
+        if values is None:
+            continue
+        if not values:
+            raise EvalError(f"{option} is empty")
+        values = [v if isinstance(v, str) or name not in ("beta", "gamma") else float(v) for v in dict.fromkeys(values)]
+        for value in values:
+            try:
+                RuleConfig(**{name: value})
+            except (ValueError, TypeError) as exc:
+                raise EvalError(f"{option}: {exc}") from None
+        sweeps[name] = values
+    return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, **sweeps)
+
+
+def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
+    """PCED: the product of the sweep lists (unset ones from ``base``); baselines: top-k only."""
+    grid: list[RunConfig] = []
+    lists = [config.beta or [base.beta], config.gamma or [base.gamma],
+             config.aggregation or [base.aggregation], config.score_space or [base.score_space]]
+    for method in config.methods:
+        for k in config.top_k:
+            if method != "pced":
+                grid.append(RunConfig(method, k, config.retriever))
+                continue
+            for beta, gamma, aggregation, space, relevance in product(*lists, config.relevance or [None]):
+                rule = RuleConfig(beta=beta, gamma=gamma, aggregation=aggregation, score_space=space)
+                grid.append(RunConfig(method, k, config.retriever, rule, relevance))
+    return grid
+
+

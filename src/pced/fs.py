@@ -1,0 +1,128 @@
+"""Atomic writes and directory swaps: the one place in pced that creates temporary names.
+
+Every file is written under a temporary name in its target's directory (same file system), then
+``os.replace``-d into place, so a crash leaves the old file or the new one, never half of one,
+and a reader that has the old file memory-mapped keeps reading the old inode. Temporary names
+are ``.tmp-<target name>.<pid>.<random>``; ``sweep_temporaries`` (called by the single indexing
+writer, never by readers) removes those a killed run left behind.
+
+Files are created with a plain ``open`` (mode 0666 minus the umask), so a store or result folder
+shared between users stays readable; nothing here reads or changes the process umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TEMP_PREFIX = ".tmp-"
+
+
+def temp_path(target: str | os.PathLike) -> Path:
+    """A fresh temporary name beside ``target`` (same directory, so a rename is atomic)."""
+    target = Path(target)
+    return target.parent / f"{TEMP_PREFIX}{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; move it over ``path`` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp, open(tmp, "xb") as handle:
+        handle.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp, open(tmp, "x", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def atomic_write_lines(path: str | os.PathLike, lines: Iterator[str]) -> None:
+    """Stream lines (each ending in a newline) into ``path`` without holding them all."""
+    with atomic_path(path) as tmp, open(tmp, "x", encoding="utf-8") as handle:
+        handle.writelines(lines)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, indent: int = 2, sort_keys: bool = True,
+                      ensure_ascii: bool = True, newline: bool = False) -> None:
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    atomic_write_text(path, text + ("\n" if newline else ""))
+
+
+def atomic_save_tensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str]) -> None:
+    """A safetensors file, written atomically (serialized here: safetensors' own writer creates 0600 files)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+
+
+@contextlib.contextmanager
+def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """A new empty directory beside ``target`` to build its replacement in; removed on exit
+    unless ``swap_directory`` moved it into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = temp_path(target)
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        _remove(staging)
+
+
+def _displaced(target: Path) -> Path:
+    return temp_path(target.parent / f"{target.name}.old")
+
+
+def swap_directory(staging: Path, target: Path) -> None:
+    """Put the finished directory ``staging`` at ``target``: the old one is renamed aside first,
+    then removed. A crash between the two renames leaves the old one aside, where
+    ``recover_directory`` finds it."""
+    old = _displaced(target) if target.exists() else None
+    if old is not None:
+        os.replace(target, old)
+    os.replace(staging, target)
+    if old is not None:
+        _remove(old)
+
+
+def recover_directory(target: Path) -> None:
+    """Undo a ``swap_directory`` interrupted between its renames (safe for readers to call)."""
+    if target.exists():
+        return
+    for old in sorted(target.parent.glob(f"{TEMP_PREFIX}{target.name}.old.*")):
+        os.replace(old, target)
+        return
+
+
+def sweep_temporaries(directory: str | os.PathLike, pattern: str = "") -> int:
+    """Remove what killed writers left in ``directory`` (``pattern`` narrows it, e.g. ``"*/"`` for one
+    level down). Only a single writer may call this: it would delete another writer's file in flight."""
+    removed = 0
+    for stale in Path(directory).glob(f"{pattern}{TEMP_PREFIX}*"):
+        _remove(stale)
+        removed += 1
+    return removed

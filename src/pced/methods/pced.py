@@ -1,0 +1,51 @@
+"""PCED: the amateur and one expert per document in one batch of rows, scored by the contrastive rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..answers import Answer, SamplingConfig
+from ..backends.rows import ExpertRows
+from ..decoding import ContrastiveScoring, Generation
+from ..defaults import resolve_rule
+from ..kvstore import DocKV
+from ..llm import LoadedModel
+from ..rule import RuleConfig
+
+
+@dataclass
+class Expert:
+    """A contextual expert: its document id, relevance r in (0, 1) and a loader for its cache."""
+
+    doc_id: str
+    relevance: float
+    load: Callable[[], DocKV]
+
+
+class PCEDGeneration(Generation):
+    """Row 0 the amateur (prefix + question), row k the expert for document k; ``rule`` None is the
+    model family's rule."""
+
+    def __init__(
+        self,
+        llm: LoadedModel,
+        prefix: DocKV,
+        experts: Sequence[Expert],
+        suffix_ids: Sequence[int],
+        amateur_suffix_ids: Sequence[int] | None = None,
+        rule: RuleConfig | None = None,
+        sampling: SamplingConfig = SamplingConfig(),
+    ):
+        experts = list(experts)
+        rows = ExpertRows(llm, prefix, [e.load for e in experts], suffix_ids, amateur_suffix_ids or suffix_ids,
+                          sampling.max_new_tokens)
+        scoring = ContrastiveScoring(rule if rule is not None else resolve_rule(llm),
+                                     [e.doc_id for e in experts], [e.relevance for e in experts])
+        super().__init__(rows, scoring, llm, sampling, method="pced", amateur_only=not experts)
+        self.experts = experts
+
+
+def generate(*args, **kwargs) -> Answer:
+    """PCED decoding to completion: ``PCEDGeneration(...)`` with the same arguments, then ``answer()``."""
+    return PCEDGeneration(*args, **kwargs).answer()

@@ -1,0 +1,76 @@
+"""``AskOptions``: everything one question can be asked with. Its field defaults are THE defaults:
+``pced ask`` / ``generate`` / ``demo``, the server's request schema, ``pced eval`` and
+``pced bench`` derive theirs from this class, and nothing else restates a number.
+
+A rule setting left None is resolved for the model that answers (``pced.defaults.resolve_rule``):
+the paper's rule with the model family's measured overrides, or the paper's alone with
+``paper_defaults``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .answers import SamplingConfig
+from .defaults import resolve_rule
+from .rule import Beta, RuleConfig
+
+METHODS = ("pced", "all", "single", "ape", "mapreduce")
+RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
+BACKENDS = ("transformers",)
+STORAGE_DTYPES = ("float16", "float32", "bfloat16")
+DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return method
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    """How to answer one question: method, retrieval, expert pruning, rule, sampling, backend."""
+
+    method: str = "pced"
+    retriever: str = "hybrid"
+    top_k: int = 8  # documents used as experts (or put in the prompt)
+    top_n: int = 90  # candidates retrieved before reranking (the paper's pool)
+    rerank: bool = True  # use the store's reranker, when it has one
+    reranker: str | None = None  # another local reranker directory instead of the store's
+    max_experts: int | None = None  # PCED: keep at most this many experts (by relevance)
+    prune_margin: float | None = None  # PCED: drop experts this many logits behind the best prior
+    beta: Beta | None = None  # None: the model family's rule (dynamic, AdaCAD)
+    gamma: float | None = None  # None: the model family's rule (2.5 in the paper, 32 for SmolLM2)
+    aggregation: str | None = None  # None: the model family's rule (max)
+    score_space: str | None = None  # None: the model family's rule (logits)
+    paper_defaults: bool = False  # unset rule settings from the paper's rule, not the family's
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ape_temperature: float = 0.9  # APE's T (APE's README)
+    ape_scale: float = 0.9  # APE's S
+    summary_tokens: int = 128  # MapReduce: tokens per map summary
+    backend: str = "transformers"
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; this installation has {', '.join(BACKENDS)}")
+        if self.top_k < 1 or self.top_n < 1:
+            raise ValueError(f"top_k and top_n must be at least 1, got {self.top_k} and {self.top_n}")
+        if self.max_experts is not None and self.max_experts < 1:
+            raise ValueError(f"max_experts must be at least 1, got {self.max_experts}")
+        if self.prune_margin is not None and not (math.isfinite(self.prune_margin) and self.prune_margin >= 0):
+            raise ValueError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
+        if self.ape_temperature <= 0 or self.ape_scale <= 0:
+            raise ValueError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
+        if self.summary_tokens < 1:
+            raise ValueError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
+        self.rule(None)  # a bad beta / gamma / aggregation / score space fails here, before any model loads
+
+    def rule(self, model: object = None) -> RuleConfig:
+        """The rule for ``model`` (a loaded model or a ``--model`` setting; None = the embedded one)."""
+        return resolve_rule(model, self.paper_defaults, beta=self.beta, gamma=self.gamma,
+                            aggregation=self.aggregation, score_space=self.score_space)

@@ -1,0 +1,81 @@
+"""One question pipeline: ``ask(store, question, options)`` retrieves, prunes and starts the method;
+``ask_candidates(engine, candidates, question, options)`` is its lower half, for given documents.
+
+``pced ask``, ``pced demo``, ``pced generate``, the server, ``pced eval`` and ``pced bench`` all go
+through here, so they resolve the same rule (``AskOptions.rule``), prune the same way and build
+the same generation for the same options.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .answers import Answer, Step, answer_json
+from .decoding import Generation
+from .documents import Candidate
+from .methods import make_generation
+from .options import AskOptions
+
+
+def prune_candidates(
+    candidates: Sequence[Candidate], gamma: float, max_experts: int | None = None, margin: float | None = None
+) -> list[Candidate]:
+    """Drop experts whose prior cannot compete: keep at most ``max_experts`` (by relevance) and only
+    those with gamma*log r_k >= gamma*log r_max - margin. Each expert costs a batch row per step;
+    under the max rule an expert ``margin`` logits behind on its prior needs its calibrated score to
+    beat the leader's by that much to ever win a token."""
+    ranked = sorted(candidates, key=lambda c: -c.relevance)
+    if max_experts is not None:
+        ranked = ranked[: max(0, max_experts)]
+    if margin is not None and ranked and gamma > 0:
+        best = gamma * math.log(max(ranked[0].relevance, 1e-8))
+        ranked = [c for c in ranked if gamma * math.log(max(c.relevance, 1e-8)) >= best - margin]
+    keep = {id(c) for c in ranked}
+    return [c for c in candidates if id(c) in keep]
+
+
+@dataclass
+class Asked:
+    """A question on its way to an answer: iterate for Steps, then ``answer()`` / ``json()``."""
+
+    question: str
+    candidates: list[Candidate]  # what the method read (after pruning), ranked order
+    retrieval_s: float
+    generation: Generation
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.generation)
+
+    def answer(self) -> Answer:
+        return self.generation.answer()
+
+    def json(self) -> dict:
+        """The ``pced ask --json`` contract (DESIGN.md)."""
+        return answer_json(self.answer(), self.candidates, self.retrieval_s)
+
+
+def ask_candidates(engine, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
+                   retrieval_s: float = 0.0) -> Asked:
+    """Answer over given candidates with ``engine`` (a ``pced.engine.Engine``)."""
+    if not question.strip():
+        raise ValueError("the question is empty")
+    rule = options.rule(engine.llm)
+    candidates = list(candidates)
+    if options.method == "pced":
+        candidates = prune_candidates(candidates, rule.gamma, options.max_experts, options.prune_margin)
+    generation = make_generation(engine, options.method, candidates, question, rule, options.sampling,
+                                 options.ape_temperature, options.ape_scale, options.summary_tokens)
+    return Asked(question, candidates, retrieval_s, generation)
+
+
+def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
+    """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``."""
+    if not question.strip():
+        raise ValueError("the question is empty")
+    started = time.perf_counter()
+    candidates = store.retrieve(question, options.retriever, top_k=options.top_k, top_n=options.top_n,
+                                rerank=options.rerank, reranker_path=options.reranker)
+    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started)

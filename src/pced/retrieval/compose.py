@@ -1,0 +1,66 @@
+"""Which retrievers a store has, how they are built, and how they are opened by name.
+
+A store built with BGE-M3 holds one ``m3`` index whose dense / sparse / ColBERT modes are the
+retrievers (hybrid = its sparse + dense modes); otherwise it holds ``sparse`` (BM25) and
+``dense`` (a sentence-transformers model, the packaged MiniLM by default), and hybrid fuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pced.documents import Document
+from pced.options import RETRIEVERS
+from pced.retrieval.base import BaseRetriever
+
+
+def index_dirs(bge_m3: str | None) -> list[str]:
+    """The index folders under a store's ``retrievers/``."""
+    return ["m3"] if bge_m3 else ["sparse", "dense"]
+
+
+def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, BaseRetriever]) -> BaseRetriever:
+    """Retriever ``name`` of the indexes in ``base``, memoised in ``opened``."""
+    if name not in RETRIEVERS:
+        raise ValueError(f"unknown retriever {name!r}; choose one of {', '.join(RETRIEVERS)}")
+    if name not in opened:
+        from pced.retrieval.hybrid import HybridRetriever
+        from pced.retrieval.registry import load_retriever
+
+        if bge_m3:
+            m3 = opened.get("m3") or load_retriever(base / "m3", model_path=bge_m3)
+            opened["m3"] = m3
+            opened[name] = HybridRetriever(m3.with_mode("sparse"), m3.with_mode("dense")) if name == "hybrid" else m3.with_mode(name)
+        elif name == "colbert":
+            raise ValueError("the colbert retriever needs a store built with --bge-m3 PATH")
+        elif name == "hybrid":
+            opened[name] = HybridRetriever(open_retriever(base, "sparse", None, opened),
+                                           open_retriever(base, "dense", None, opened))
+        else:
+            opened[name] = load_retriever(base / name)
+    return opened[name]
+
+
+def build_indexes(target: Path, documents: Sequence[Document], bge_m3: str | None, dense_model: str | None,
+                  previous: tuple[BaseRetriever, Sequence[Document]] | None = None) -> None:
+    """Build every index of a store into ``target`` (a staging folder). ``previous`` (the old store's
+    dense retriever and its documents) lets unchanged documents keep their embeddings."""
+    if bge_m3:
+        from pced.retrieval.m3_index import BGEM3Retriever
+
+        BGEM3Retriever(bge_m3, modes=("dense", "sparse", "colbert")).index(documents).save(target / "m3")
+        return
+    from pced.retrieval.dense import DenseRetriever
+    from pced.retrieval.sparse import BM25Retriever
+
+    BM25Retriever().index(documents).save(target / "sparse")
+    dense = DenseRetriever(dense_model)
+    dense.index_reusing(documents, *(previous or (None, ())))
+    dense.save(target / "dense")
+
+
+def describe_indexes(base: Path, bge_m3: str | None) -> dict:
+    from pced.retrieval.storage import read_manifest
+
+    return {name: read_manifest(base / name).get("describe", {}) for name in index_dirs(bge_m3)}

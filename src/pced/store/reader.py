@@ -1,0 +1,100 @@
+"""Opening a store and asking it for candidates (the read path; many readers at once, no writes
+except a document's KV cache encoded the first time it is retrieved from a ``--lazy-kv`` store)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..documents import Candidate, Document
+from ..engine import Engine
+from ..llm import LoadedModel, load_model
+from ..options import AskOptions
+from .layout import DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
+
+
+class DocumentStore:
+    """Open with ``DocumentStore.open(dir)``; build or extend with ``pced.store.index_store``."""
+
+    def __init__(self, root: Path, manifest: dict, documents: list[Document], llm: LoadedModel | None = None,
+                 engine: Engine | None = None):
+        self.root, self.manifest, self.documents = root, manifest, documents
+        self.settings = IndexSettings(**manifest["settings"])
+        self._llm, self._engine, self._retrievers, self._reranker = llm, engine, {}, None
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, engine: Engine | None = None) -> "DocumentStore":
+        from ..retrieval.base import load_doc_ids
+        from ..retrieval.compose import index_dirs
+
+        root = Path(root)
+        manifest_path = root / MANIFEST
+        if not manifest_path.is_file():
+            raise StoreError(f"{root} is not a pced store (no manifest.json); build it with pced index")
+        recover(root)
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            documents = read_documents(root / DOCUMENTS)
+        except (json.JSONDecodeError, OSError, KeyError) as exc:
+            raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
+        if manifest.get("format") != FORMAT:
+            raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
+        store = cls(root, manifest, documents, llm if llm is not None else getattr(engine, "llm", None), engine)
+        if store._llm is not None:
+            store.check_model(store._llm)
+        ids = [d.id for d in documents]
+        for name in index_dirs(store.settings.bge_m3):
+            if load_doc_ids(root / RETRIEVERS_DIR / name) != ids:
+                raise StoreError(f"{root}: the {name} index does not match documents.jsonl (an interrupted pced index?); re-run it")
+        return store
+
+    def check_model(self, llm: LoadedModel) -> None:
+        stored = self.manifest["model"]
+        if stored["fingerprint"] != llm.fingerprint or stored["tokenizer_hash"] != llm.tokenizer_hash:
+            raise StoreError(
+                f"{self.root} was built with model {stored['name']} ({stored['fingerprint']}); "
+                f"this run uses {llm.name} ({llm.fingerprint}): use the same --model or another store"
+            )
+
+    # -- components (loaded on first use) -------------------------------------------------------
+    @property
+    def llm(self) -> LoadedModel:
+        if self._llm is None:
+            self._llm = load_model(self.settings.model_path)
+            self.check_model(self._llm)
+        return self._llm
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = Engine(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype)
+        return self._engine
+
+    def retriever(self, name: str = AskOptions.retriever):
+        from ..retrieval.compose import open_retriever
+
+        try:
+            return open_retriever(self.root / RETRIEVERS_DIR, name, self.settings.bge_m3, self._retrievers)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+
+    def reranker(self, path: str | None = None):
+        path = path or self.settings.reranker
+        if path is None:
+            return None
+        if self._reranker is None or self._reranker[0] != path:
+            from ..retrieval.rerankers import load_reranker
+
+            self._reranker = (path, load_reranker(path))
+        return self._reranker[1]
+
+    # -- querying -------------------------------------------------------------------------------
+    def retrieve(self, question: str, retriever: str = AskOptions.retriever, top_k: int = AskOptions.top_k,
+                 top_n: int = AskOptions.top_n, rerank: bool = AskOptions.rerank,
+                 reranker_path: str | None = None) -> list[Candidate]:
+        from ..retrieval.candidates import retrieve
+
+        return retrieve(question, self.retriever(retriever), top_n=max(top_n, top_k),
+                        reranker=self.reranker(reranker_path) if rerank else None, top_k=top_k,
+                        documents=self.documents)

@@ -1,0 +1,76 @@
+"""The one file-system helper: atomic writes with a plain file mode, directory swaps, temp names."""
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pced.fs import (atomic_path, atomic_save_tensors, atomic_write_json, atomic_write_text, recover_directory,
+                     staging_dir, sweep_temporaries, swap_directory, temp_path)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pced"
+
+
+def plain_mode(tmp_path: Path) -> int:
+    (tmp_path / "plain").write_bytes(b"")
+    return stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+
+
+def test_atomic_files_get_a_plain_open_s_mode(tmp_path):
+    atomic_write_text(tmp_path / "a.txt", "x")
+    atomic_write_json(tmp_path / "b.json", {"x": 1})
+    atomic_save_tensors(tmp_path / "c.safetensors", {"t": torch.zeros(2)}, {"k": "v"})
+    for name in ("a.txt", "b.json", "c.safetensors"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == plain_mode(tmp_path), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.json", "c.safetensors", "plain"]
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    atomic_write_text(tmp_path / "a.txt", "old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "a.txt") as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash mid-write")
+    assert (tmp_path / "a.txt").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_directory_swap_and_its_recovery(tmp_path):
+    target = tmp_path / "index"
+    for version in ("one", "two"):
+        with staging_dir(target) as staging:
+            (staging / "v").write_text(version)
+            swap_directory(staging, target)
+    assert (target / "v").read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["index"]
+    # a swap killed between its two renames: the old directory lies aside under a temporary name
+    aside = temp_path(tmp_path / "index.old")
+    os.replace(target, aside)
+    recover_directory(target)
+    assert (target / "v").read_text() == "two" and not aside.exists()
+    # a staging folder of a killed writer is swept by the next writer
+    temp_path(target).mkdir()
+    assert sweep_temporaries(tmp_path) == 1 and [p.name for p in tmp_path.iterdir()] == ["index"]
+
+
+def test_importing_any_pced_module_leaves_the_umask_unchanged():
+    code = (
+        "import os, pkgutil, importlib, pced\n"
+        "os.umask(0o027)\n"
+        "for m in pkgutil.walk_packages(pced.__path__, 'pced.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "print(oct(os.umask(0o022)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0o27"
+
+
+def test_fs_is_the_only_maker_of_temporary_names():
+    pattern = re.compile(r"mkstemp|mkdtemp|NamedTemporaryFile|TemporaryDirectory|token_hex|os\.umask|\.tmp-")
+    users = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if pattern.search(p.read_text()))
+    assert users == ["fs.py"]

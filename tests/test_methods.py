@@ -1,0 +1,66 @@
+"""Every method runs through the one loop and honours every SamplingConfig field."""
+
+import dataclasses
+
+import pytest
+
+from pced.answers import SamplingConfig
+from pced.documents import Candidate, Document
+from pced.engine import Engine
+from pced.options import METHODS, AskOptions
+from pced.pipeline import ask_candidates
+
+QUESTION = "Where was the founder of Zorblax born?"
+DOCS = [Document("zorblax", "The Zorblax company was founded by Mira Quell."),
+        Document("quell", "Mira Quell was born in the town of Oskvale.")]
+
+
+@pytest.fixture
+def stop_everywhere(tiny_llm):
+    """The tiny model, except that every token counts as end-of-sequence: an answer ends at once unless
+    ``ignore_eos`` is honoured."""
+    llm = dataclasses.replace(tiny_llm)
+    vocabulary = set(range(len(tiny_llm.tokenizer)))
+    llm.eos_token_ids = lambda: vocabulary
+    return llm
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_honours_ignore_eos(method, stop_everywhere, tmp_path):
+    engine = Engine(stop_everywhere, "rag", tmp_path / "kv", "float32")
+    candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
+    options = AskOptions(method=method, summary_tokens=4)
+    stopped = ask_candidates(engine, candidates, QUESTION, options).answer()
+    assert stopped.token_ids == [] and stopped.method == method
+    exact = ask_candidates(engine, candidates, QUESTION, dataclasses.replace(
+        options, sampling=SamplingConfig(max_new_tokens=5, ignore_eos=True))).answer()
+    assert len(exact.token_ids) == len(exact.trace) == 5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path):
+    engine = Engine(tiny_llm, "rag", tmp_path / "kv", "float32")
+    candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
+    options = AskOptions(method=method, summary_tokens=4, sampling=SamplingConfig(max_new_tokens=8))
+    full = ask_candidates(engine, candidates, QUESTION, options).answer()
+    assert full.text, "the tiny model should say something"
+    stop = full.text.strip()[:3]
+    cut = ask_candidates(engine, candidates, QUESTION, dataclasses.replace(
+        options, sampling=SamplingConfig(max_new_tokens=8, stop=(stop,)))).answer()
+    assert stop not in cut.text and full.text.startswith(cut.text)
+    sampled = dataclasses.replace(options, sampling=SamplingConfig(max_new_tokens=8, temperature=1.5, seed=7))
+    first = ask_candidates(engine, candidates, QUESTION, sampled).answer()
+    again = ask_candidates(engine, candidates, QUESTION, sampled).answer()
+    assert first.token_ids == again.token_ids
+
+
+def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
+    from pced.bench import BenchConfig, run_bench
+
+    config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5, storage_dtypes=(),
+                         memory=False, cold=False, out=str(tmp_path / "bench"))
+    results = run_bench(tiny_llm, config)
+    rows = results["lengths"][0]["rows"]
+    assert [row[method]["new_tokens"] for row in rows for method in config.methods] == [4] * 6
+    assert results["end_to_end"]["pced"]["new_tokens"] == results["end_to_end"]["all"]["new_tokens"] == 5
+    assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png"}

@@ -145,3 +145,38 @@ def test_pced_serve_command(tmp_path, store, capsys):
         server.wait(timeout=30)
         log.close()
     assert "API key required" in (tmp_path / "serve.log").read_text()
+
+
+def test_queued_stream_gets_headers_and_a_comment_at_once(server):
+    url, app = server
+    worker = app.state.worker
+    headers = {"Authorization": f"Bearer {KEY}"}
+    long_body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 1024, "stream": True}
+    short_body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3, "stream": True}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as first, httpx.Client(base_url=url, headers=headers,
+                                                                                          timeout=60) as second:
+        with first.stream("POST", "/v1/chat/completions", json=long_body) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if '"doc_id"' in line)  # the first request is generating
+            started = time.perf_counter()
+            with second.stream("POST", "/v1/chat/completions", json=short_body) as queued:
+                waited = time.perf_counter() - started
+                assert queued.status_code == 200 and queued.headers["content-type"].startswith("text/event-stream")
+                queued_lines = queued.iter_lines()
+                assert next(queued_lines) == ": queued, 1 request(s) ahead"
+                assert waited < 5, waited  # headers at once, not after the first request's 1,024 tokens
+        # leaving both streams cancels both; the queued one never ran
+        wait_for(lambda: worker.pending == 0)
+
+
+def test_langchain_chat_openai_against_pced_serve(server, store):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    url, _ = server
+    chat = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key=KEY, model=store.llm.name, max_tokens=6,
+                                       temperature=0, extra_body={"pced": {"top_k": 2}})
+    reply = chat.invoke(QUESTION)
+    direct = httpx.post(f"{url}/v1/pced/answer", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"question": QUESTION, "top_k": 2, "max_tokens": 6}, timeout=60).json()
+    assert direct["answer"] and reply.content == direct["answer"]
+    assert "".join(chunk.content for chunk in chat.stream(QUESTION)) == direct["answer"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .documents import Document
 
@@ -42,28 +42,39 @@ def parse_record(record: object, where: str) -> Document | None:
     return Document(id=str(doc_id), text=text.strip(), title=(title or "").strip())
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[int, str, object]]:
+    """(line number, "path:line", parsed JSON) of every non-blank line; a line that is not UTF-8 or
+    not JSON is a ``CorpusError`` naming the file and line."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                  "save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                yield number, where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{where}: invalid JSON ({exc.msg})") from None
+
+
 def read_corpus(path: str | Path) -> list[Document]:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: no such corpus file")
     documents: list[Document] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{where}: invalid JSON ({exc.msg})") from None
-            document = parse_record(record, where)
-            if document is None:
-                continue
-            if document.id in seen:
-                raise CorpusError(f"{where}: duplicate id {document.id!r} (first on line {seen[document.id]})")
-            seen[document.id] = number
-            documents.append(document)
+    for number, where, record in jsonl_records(path):
+        document = parse_record(record, where)
+        if document is None:
+            continue
+        if document.id in seen:
+            raise CorpusError(f"{where}: duplicate id {document.id!r} (first on line {seen[document.id]})")
+        seen[document.id] = number
+        documents.append(document)
     if not documents:
         raise CorpusError(f"{path}: no documents")
     return documents

@@ -25,6 +25,23 @@ from .detokenize import TextTracker
 from .rule import AMATEUR, ContrastiveRule, RuleConfig
 
 
+class DecodingError(RuntimeError):
+    """The model produced something the rule cannot use (non-finite logits: a damaged cache)."""
+
+
+def check_finite(logits: torch.Tensor, scoring: "Scoring") -> None:
+    """Stop before NaN or infinite logits reach the rule; name the rows (documents) that made them."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return
+    rows = finite.tolist()
+    if len(rows) == 1:
+        names = "the prompt"
+    else:  # row 0 is the amateur, row k the expert of document k
+        names = ", ".join("the amateur" if i == 0 else repr(scoring.doc_id(i - 1)) for i, ok in enumerate(rows) if not ok)
+    raise DecodingError(f"non-finite logits from {names}: a stored KV cache is damaged (run pced verify STORE)")
+
+
 class Rows(Protocol):
     """Rows of a model with caches: the backend seam of the loop."""
 
@@ -127,6 +144,7 @@ class Generation:
         generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
         logits = self.rows.prefill()
         for index in range(self.sampling.max_new_tokens):
+            check_finite(logits, self.scoring)
             self.last_logits = logits
             scores, winner_of = self.scoring.scores(logits)
             token = pick_token(scores, self.sampling, generator)

@@ -20,6 +20,38 @@ METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
 BACKENDS = ("transformers",)
 STORAGE_DTYPES = ("float16", "float32", "bfloat16")
+# Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
+# and every question character is prefilled for every row).
+MAX_QUESTION_CHARS = 4000
+MAX_TOP_K = 64
+MAX_TOP_N = 1000
+
+
+class QuestionError(ValueError):
+    """A question that cannot be asked; ``code`` names the reason (for the server's error body)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check_text(text: str, what: str = "the question") -> str:
+    """Refuse text that is not valid Unicode (undecodable command-line bytes, lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise QuestionError(f"{what} is not valid UTF-8 text (undecodable byte or lone surrogate at character "
+                            f"{exc.start + 1})", "invalid_encoding") from None
+    return text
+
+
+def check_question(question: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
+    """The question, or a one-line ``QuestionError`` (empty, too long, not valid text)."""
+    if not question.strip():
+        raise QuestionError("the question is empty", "empty_question")
+    if len(question) > max_chars:
+        raise QuestionError(f"the question is longer than {max_chars} characters ({len(question)})", "question_too_long")
+    return check_text(question)
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 
 
@@ -58,10 +90,12 @@ class AskOptions:
             raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; this installation has {', '.join(BACKENDS)}")
-        if self.top_k < 1 or self.top_n < 1:
-            raise ValueError(f"top_k and top_n must be at least 1, got {self.top_k} and {self.top_n}")
-        if self.max_experts is not None and self.max_experts < 1:
-            raise ValueError(f"max_experts must be at least 1, got {self.max_experts}")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
+        if not 1 <= self.top_n <= MAX_TOP_N:
+            raise ValueError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
+        if self.max_experts is not None and not 1 <= self.max_experts <= MAX_TOP_K:
+            raise ValueError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
         if self.prune_margin is not None and not (math.isfinite(self.prune_margin) and self.prune_margin >= 0):
             raise ValueError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
         if self.ape_temperature <= 0 or self.ape_scale <= 0:

@@ -17,7 +17,7 @@ from .answers import Answer, Step, answer_json
 from .decoding import Generation
 from .documents import Candidate
 from .methods import make_generation
-from .options import AskOptions
+from .options import AskOptions, check_question
 
 
 def prune_candidates(
@@ -60,8 +60,7 @@ class Asked:
 def ask_candidates(engine, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
                    retrieval_s: float = 0.0) -> Asked:
     """Answer over given candidates with ``engine`` (a ``pced.engine.Engine``)."""
-    if not question.strip():
-        raise ValueError("the question is empty")
+    check_question(question)
     rule = options.rule(engine.llm)
     candidates = list(candidates)
     if options.method == "pced":
@@ -73,8 +72,7 @@ def ask_candidates(engine, candidates: Sequence[Candidate], question: str, optio
 
 def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
     """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``."""
-    if not question.strip():
-        raise ValueError("the question is empty")
+    check_question(question)
     started = time.perf_counter()
     candidates = store.retrieve(question, options.retriever, top_k=options.top_k, top_n=options.top_n,
                                 rerank=options.rerank, reranker_path=options.reranker)

@@ -57,6 +57,6 @@ def stream_answer(generation, candidates: Sequence, question: str, console: Cons
     t = answer.timings
     console.print(
         f"[dim]time to first token {t.get('ttft_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s, "
-        f"{len(answer.trace)} tokens" + (f", beta={['%.3f' % b for b in answer.betas]}" if answer.betas else "") + "[/dim]"
+        f"{len(answer.trace)} tokens" + (f", beta {' '.join(f'{b:.3f}' for b in answer.betas)}" if answer.betas else "") + "[/dim]"
     )
     return answer

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
+from ..options import check_question
 from .common import InputError, add_decoding_options, add_model_options, ask_options_from
 
 
@@ -25,18 +26,13 @@ def add_generate_parser(sub) -> None:
 
 def read_scored_documents(path: Path):
     """DOCS.jsonl for ``pced generate``: one {"id", "text", "score"?, "title"?} per line."""
+    from ..corpus import jsonl_records
     from ..documents import Candidate, Document
 
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     candidates, seen = [], set()
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+    for number, _, record in jsonl_records(path):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
             raise InputError(f"{path}:{number}: each line needs a non-empty string field 'text'")
         doc_id = str(record.get("id", f"doc{number}"))
@@ -53,8 +49,7 @@ def read_scored_documents(path: Path):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     candidates = read_scored_documents(Path(args.docs))
-    if not args.question.strip():
-        raise InputError("--question is empty")
+    check_question(args.question)
     options = ask_options_from(args)
     from ..engine import Engine
     from ..llm import load_model

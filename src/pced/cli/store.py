@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from importlib import resources
 
 from ..answers import SamplingConfig
-from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions
+from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
 from .common import (InputError, add_decoding_options, add_model_options, add_retrieval_options,
                      ask_options_from, open_store)
 
@@ -56,6 +57,30 @@ def add_demo_parser(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+def add_verify_parser(sub) -> None:
+    p = sub.add_parser("verify", help="check every stored KV cache of a store (checksums, shapes, finiteness)")
+    p.add_argument("store", help="store directory built by pced index")
+    p.add_argument("--remove", action="store_true",
+                   help="delete damaged cache files, so that the next pced index (or a lazy store's answer) re-encodes them")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..kvstore import verify_cache_dir
+    from ..store import DocumentStore
+
+    store = DocumentStore.open(args.store)  # also checks documents.jsonl against the retriever indexes
+    report = verify_cache_dir(store.root / "kv", remove=args.remove)
+    for line in report["damaged"]:
+        print(f"pced: damaged: {line}", file=sys.stderr)
+    old = f"; {report['without_checksum']} written before checksums (checked for shape and finiteness only)" \
+        if report["without_checksum"] else ""
+    removed = f"; {report['removed']} removed" if report["removed"] else ""
+    print(f"pced: {store.root}: {len(store.documents)} documents, {report['checked']} cache files checked, "
+          f"{len(report['damaged'])} damaged{removed}{old}")
+    return 1 if report["damaged"] and not args.remove else 0
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from ..corpus import read_corpus
     from ..store import IndexSettings, index_store
@@ -74,6 +99,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"
         f"{' (--lazy-kv: the others on first use)' if args.lazy_kv else ''}; "
         f"retrieval indexes built in {report['retrieval_index_s']:.1f} s"
+        + (f"; {report['kv_orphans_removed']} caches of documents no longer in the store removed"
+           if report["kv_orphans_removed"] else "")
     )
     return 0
 
@@ -81,8 +108,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     from ..pipeline import ask
 
-    if not args.question.strip():
-        raise InputError("the question is empty")
+    check_question(args.question)
     options = ask_options_from(args)  # bad settings fail before any model loads
     asked = ask(open_store(args), args.question, options)
     if args.json:
@@ -95,7 +121,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.trace_png:
         from ..trace_plot import save_trace_png
 
-        save_trace_png(answer, asked.candidates, args.trace_png, title=args.question)
+        png = save_trace_png(answer, asked.candidates, args.trace_png, title=args.question)
+        print(f"pced: trace picture saved to {png}", file=sys.stderr)
     return 0
 
 

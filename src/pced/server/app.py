@@ -7,6 +7,7 @@ failures are a 500 with the same shape and no traceback (that goes to the server
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -22,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
 from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job
-from .worker import Finished, Run, Started, Worker, is_client_error, next_event
+from .worker import Finished, Run, Started, Worker, is_client_error, is_data_error, next_event
 
 STATIC = Path(__file__).parent / "static"
+KEEPALIVE_S = 1.0  # a queued stream gets a comment this often until its generation starts
 log = logging.getLogger("pced.server")
 
 
@@ -42,6 +44,8 @@ def as_request_error(exc: BaseException) -> RequestError:
         return exc
     if is_client_error(exc):
         return RequestError(str(exc), None, "invalid_value")
+    if is_data_error(exc):
+        return RequestError(str(exc), None, "damaged_cache", status=500, type_="server_error")
     return RequestError("internal error while generating (details are in the server log)", None, "internal_error",
                         status=500, type_="server_error")
 
@@ -149,7 +153,9 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
         return error_response(500, "internal server error (details are in the server log)", "server_error", "internal_error")
 
     async def start(job, request: Request) -> tuple[Run, Started]:
-        run = worker.submit(job)
+        return await started_run(worker.submit(job), request)
+
+    async def started_run(run: Run, request: Request) -> tuple[Run, Started]:
         try:
             kind, payload = await next_event(run, request.is_disconnected)
         except BaseException:
@@ -202,31 +208,53 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        run, started = await start(chat_job(body, limits), request)
+        job = chat_job(body, limits)
         completion_id = new_id()
         if not body.stream:
+            run, started = await start(job, request)
             finished = await finish(run, request)
             return JSONResponse(clean(chat_completion(completion_id, model_name, started, finished)))
+        run = worker.submit(job)
+        if worker.ahead_of(run) == 0:  # it starts now: its errors can still be a status code
+            run, started = await started_run(run, request)
+            return stream(run, started, completion_id, body.pced.method)
+        return stream(run, None, completion_id, body.pced.method)  # queued: headers and a comment at once
+
+    def stream(run: Run, started: Started | None, completion_id: str, method: str) -> StreamingResponse:
+        def closing(kind: str, payload) -> list[str]:
+            if kind != "error":  # cancelled: the client is gone, nobody reads
+                return []
+            exc = as_request_error(payload)
+            return [sse(error_body(exc.message, exc.type, exc.code, exc.param)), SSE_DONE]
 
         async def events():
+            nonlocal started
             try:
-                yield sse(first_chunk(completion_id, model_name, body.pced.method, started))
+                while started is None:  # queued behind others: say so at once, then keep the connection alive
+                    yield f": queued, {worker.ahead_of(run)} request(s) ahead\n\n"
+                    try:
+                        kind, payload = await asyncio.wait_for(run.events.get(), KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        continue
+                    if kind != "start":
+                        for chunk in closing(kind, payload):
+                            yield chunk
+                        return
+                    started = payload
+                yield sse(first_chunk(completion_id, model_name, method, started))
                 while True:
                     kind, payload = await run.events.get()
                     if kind == "token":
                         if payload.text:
                             yield sse(token_chunk(completion_id, model_name, payload))
-                    elif kind == "done":
+                        continue
+                    if kind == "done":
                         yield sse(final_chunk(completion_id, model_name, started, payload))
                         yield SSE_DONE
-                        return
-                    elif kind == "error":
-                        exc = as_request_error(payload)
-                        yield sse(error_body(exc.message, exc.type, exc.code, exc.param))
-                        yield SSE_DONE
-                        return
                     else:
-                        return
+                        for chunk in closing(kind, payload):
+                            yield chunk
+                    return
             finally:
                 run.cancel()  # the client went away (the stream task was cancelled) or we are done
 

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..answers import SamplingConfig
 from ..documents import Candidate, Document
-from ..options import METHODS, RETRIEVERS, AskOptions
+from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
+                       check_question, check_text)
 from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
 
 SAMPLING = SamplingConfig()
@@ -28,11 +29,11 @@ class Limits:
     """What one request may ask for; every violation is a 4xx."""
 
     max_body_bytes: int = 1_000_000
-    max_question_chars: int = 4000
+    max_question_chars: int = MAX_QUESTION_CHARS
     max_documents: int = 64
     max_document_chars: int = 20_000
-    max_top_k: int = 64
-    max_top_n: int = 1000
+    max_top_k: int = MAX_TOP_K
+    max_top_n: int = MAX_TOP_N
     max_tokens: int = 1024
     default_max_tokens: int = SAMPLING.max_new_tokens
     max_stop: int = 4
@@ -165,6 +166,11 @@ def _candidates(documents: list[DocumentIn], limits: Limits) -> list[Candidate]:
                                f"documents[{number - 1}].text")
         if not doc.text.strip():
             raise RequestError(f"documents[{number - 1}].text is empty", f"documents[{number - 1}].text")
+        for field in ("id", "title", "text"):
+            try:
+                check_text(getattr(doc, field) or "", f"documents[{number - 1}].{field}")
+            except QuestionError as exc:
+                raise RequestError(str(exc), f"documents[{number - 1}].{field}", exc.code) from None
         doc_id = doc.id or f"doc{number}"
         if doc_id in seen:
             raise RequestError(f"duplicate document id {doc_id!r}", f"documents[{number - 1}].id")
@@ -194,10 +200,10 @@ def _sampling(options: SamplingOptions, limits: Limits) -> SamplingConfig:
 
 def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions, sampling: SamplingOptions,
            limits: Limits) -> Job:
-    if not question.strip():
-        raise RequestError("the question is empty", "question", "empty_question")
-    if len(question) > limits.max_question_chars:
-        raise RequestError(f"the question is longer than {limits.max_question_chars} characters", "question", "question_too_long")
+    try:
+        check_question(question, limits.max_question_chars)
+    except QuestionError as exc:
+        raise RequestError(str(exc), "question", exc.code) from None
     if not 1 <= pced.top_k <= limits.max_top_k:
         raise RequestError(f"top_k must be between 1 and {limits.max_top_k}, got {pced.top_k}", "top_k")
     if not 1 <= pced.top_n <= limits.max_top_n:

@@ -22,6 +22,7 @@ from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries,
 from ..llm import LoadedModel, load_model
 from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover,
                      write_documents)
+from .lock import LOCK_FILE, writer_lock
 from .reader import DocumentStore
 
 
@@ -32,12 +33,20 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
 
     ``encode_kv=False`` builds the retrieval indexes only: a document's KV cache is then
     encoded the first time it is retrieved (content-addressed, so later uses read it).
-    For a large corpus of which few documents are ever asked about."""
+    For a large corpus of which few documents are ever asked about. One writer at a time: a
+    second ``index_store`` on the same ``root`` waits for the first, then extends what it wrote."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"{root} is not a directory")
+    with writer_lock(root):
+        return _index_locked(corpus, root, settings, llm, progress, encode_kv)
+
+
+def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
+                  progress: bool, encode_kv: bool) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
-    root = Path(root)
     previous = _previous(root, settings)
-    root.mkdir(parents=True, exist_ok=True)
     recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
     llm = llm or load_model(settings.model_path)
@@ -72,8 +81,11 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
         "retrievers": describe_indexes(base, settings.bge_m3),
     }
     atomic_write_json(root / MANIFEST, manifest)
+    # caches of documents the store no longer holds (replaced texts, a killed run's leftovers)
+    orphans = engine.store.remove_unreferenced(engine.store.digests([d.render() for d in merged]))
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-              "kv_encoded": engine.store.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s}
+              "kv_encoded": engine.store.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
+              "kv_orphans_removed": orphans}
     return DocumentStore.open(root, engine=engine), report
 
 
@@ -88,7 +100,7 @@ def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
             )
         recover(root)
         return DocumentStore(root, old, read_documents(root / DOCUMENTS))
-    if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR)
+    if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, LOCK_FILE)
                              and not p.name.startswith(TEMP_PREFIX)):
         raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")
     return None

@@ -1,0 +1,39 @@
+"""How many CPU threads torch uses for one answer (``--threads``).
+
+Measured with ``scripts/threads_bench.py`` (README "Threads"): see ``default_threads`` for the
+rule and the numbers behind it. The library itself never changes torch's setting; the CLI and
+``pced serve`` do, once, before loading a model.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """The default for ``--threads``: half the available cores (at least one).
+
+    Measured here (2 cores, ``pced demo``, one run each): alone, 1 thread took 20.3 s and 2 threads
+    19.2 s; beside one busy core, 1 thread took 22.6 s and 2 threads 45.1 s (OpenMP's threads wait
+    for each other at every operation, and one of them keeps losing its core). Half the cores loses
+    ~5% on an idle machine and avoids the 2x collapse on a shared one; pass --threads to use more."""
+    return max(1, available_cores() // 2)
+
+
+def configure_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (None: ``default_threads()``); returns the number set."""
+    import torch
+
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads)
+    return threads

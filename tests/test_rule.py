@@ -153,3 +153,17 @@ def test_prune_candidates_keeps_competitive_priors():
     margin = 2.5 * (math.log(0.9) - math.log(0.5)) + 1e-9
     assert [c.document.id for c in prune_candidates(cands, 2.5, margin=margin)] == ["0", "1", "2"]
     assert [c.document.id for c in prune_candidates(cands, 2.5)] == ["0", "1", "2", "3"]
+
+
+def test_rule_computes_on_the_device_of_the_logits_whatever_the_relevance_device():
+    # "meta" tensors carry a device and shapes but no data: any CPU/other-device mix-up raises here,
+    # as it would between CPU relevances and CUDA logits
+    experts, amateur = torch.randn(3, 11, device="meta"), torch.randn(11, device="meta")
+    relevance = torch.tensor([0.9, 0.5, 0.2])
+    for beta in (torch.tensor([0.1, 0.2, 0.3]), torch.rand(3, 11)):
+        s_hat = calibrate(experts, amateur, beta, 2.5, relevance)
+        assert s_hat.device.type == "meta" and s_hat.shape == (3, 11)
+    for aggregation in ("moe", "poe"):
+        rule = ContrastiveRule(RuleConfig(beta=0.5, aggregation=aggregation), relevance)
+        scores, _ = rule.scores(torch.randn(4, 11, device="meta"))
+        assert scores.device.type == "meta"

@@ -99,11 +99,15 @@ def calibrate(
     gamma: float,
     relevance: torch.Tensor,
 ) -> torch.Tensor:
-    """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N]."""
+    """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N].
+
+    The result lives on the scores' device: beta and the prior follow them there (a CPU relevance
+    vector beside CUDA logits is the normal case)."""
+    beta = beta.to(expert_scores.device)
     if beta.dim() == 1:
         beta = beta[:, None]
     contrast = (1.0 + beta) * expert_scores - beta * amateur_scores[None, :]
-    return contrast + gamma * log_prior(relevance)[:, None]
+    return contrast + gamma * log_prior(relevance).to(expert_scores.device)[:, None]
 
 
 @dataclass
@@ -128,7 +132,7 @@ def aggregate(
             return int(torch.nonzero(column == column.max())[0, 0])
 
         return best, winner
-    weights = torch.softmax(config.gamma * log_prior(relevance), dim=0)
+    weights = torch.softmax(config.gamma * log_prior(relevance), dim=0).to(s_hat.device)
     log_p = torch.log_softmax(s_hat, dim=-1)
     if config.aggregation == "moe":
         scores = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)

@@ -142,10 +142,10 @@ def tensor_checksum(tensors: list[torch.Tensor]) -> str:
 
 
 def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: int | None = None,
-                     verify: bool = True) -> DocKV:
+                     verify: bool = True) -> tuple[DocKV, dict[str, str]]:
     """A stored cache, memory-mapped, after every check that needs no model: readable, built for
     ``identity``, holding the document ``digest`` with the tokens its metadata says, and (``verify``)
-    bytes matching its checksum. Any failure is a one-line ``CacheError`` naming the file."""
+    bytes matching its checksum; with its metadata. Any failure is a one-line ``CacheError`` naming the file."""
     fix = "remove it (pced verify STORE --remove) and re-index"
     try:
         meta, tensors = mmap_safetensors(path)
@@ -162,7 +162,7 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
         raise CacheError(f"cache file {path} has {keys.shape[2]} tokens, its metadata says {n_tokens}; {fix}")
     if verify and "checksum" in meta and tensor_checksum([keys, values]) != meta["checksum"]:
         raise CacheError(f"cache file {path} is damaged: its bytes do not match its checksum; {fix}")
-    return DocKV(keys=keys, values=values)
+    return DocKV(keys=keys, values=values), meta
 
 
 def verify_cache_dir(root: Path, remove: bool = False) -> dict:
@@ -179,10 +179,10 @@ def verify_cache_dir(root: Path, remove: bool = False) -> dict:
     for path, digest in files:
         report["checked"] += 1
         try:
-            kv = check_cache_file(path, identity, digest)
+            kv, meta = check_cache_file(path, identity, digest)
             if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
                 raise CacheError(f"cache file {path} holds non-finite values (NaN or infinity)")
-            report["without_checksum"] += "checksum" not in mmap_safetensors(path)[0]
+            report["without_checksum"] += "checksum" not in meta
         except CacheError as exc:
             report["damaged"].append(str(exc))
             if remove:
@@ -308,4 +308,4 @@ class KVStore:
         return self._read(path, digest, None)
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:
-        return check_cache_file(path, self.identity, digest, expected_tokens, self.verify)
+        return check_cache_file(path, self.identity, digest, expected_tokens, self.verify)[0]

@@ -20,6 +20,7 @@ METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
 BACKENDS = ("transformers",)
 STORAGE_DTYPES = ("float16", "float32", "bfloat16")
+DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
 # and every question character is prefilled for every row).
 MAX_QUESTION_CHARS = 4000
@@ -52,7 +53,6 @@ def check_question(question: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
     if len(question) > max_chars:
         raise QuestionError(f"the question is longer than {max_chars} characters ({len(question)})", "question_too_long")
     return check_text(question)
-DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 
 
 def check_method(method: str) -> str:

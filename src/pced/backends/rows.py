@@ -51,7 +51,7 @@ class ExpertRows(CachedRows):
     """The amateur and one row per document cache, prefilled with the question suffix in one forward."""
 
     def __init__(self, llm: LoadedModel, prefix: DocKV, loaders: Sequence[Callable[[], DocKV]],
-                 suffix_ids: Sequence[int], amateur_suffix_ids: Sequence[int], max_new_tokens: int):
+                 suffix_ids: Sequence[int], amateur_suffix_ids: Sequence[int] | None, max_new_tokens: int):
         super().__init__(llm)
         if not suffix_ids:
             raise ValueError("the question suffix is empty")

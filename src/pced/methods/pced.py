@@ -38,8 +38,7 @@ class PCEDGeneration(Generation):
         sampling: SamplingConfig = SamplingConfig(),
     ):
         experts = list(experts)
-        rows = ExpertRows(llm, prefix, [e.load for e in experts], suffix_ids, amateur_suffix_ids or suffix_ids,
-                          sampling.max_new_tokens)
+        rows = ExpertRows(llm, prefix, [e.load for e in experts], suffix_ids, amateur_suffix_ids, sampling.max_new_tokens)
         scoring = ContrastiveScoring(rule if rule is not None else resolve_rule(llm),
                                      [e.doc_id for e in experts], [e.relevance for e in experts])
         super().__init__(rows, scoring, llm, sampling, method="pced", amateur_only=not experts)

@@ -98,7 +98,6 @@ def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
                 f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                 f"{settings.identity()}: use another --out or the same model/retriever settings"
             )
-        recover(root)
         return DocumentStore(root, old, read_documents(root / DOCUMENTS))
     if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, LOCK_FILE)
                              and not p.name.startswith(TEMP_PREFIX)):

@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass, field
 
 from .answers import SamplingConfig
+from .backends.vllm.settings import VLLMSettings
 from .defaults import resolve_rule
 from .rule import Beta, RuleConfig
 
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
-BACKENDS = ("transformers",)
+BACKENDS = ("transformers", "vllm")
 STORAGE_DTYPES = ("float16", "float32", "bfloat16")
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
@@ -82,14 +83,19 @@ class AskOptions:
     ape_temperature: float = 0.9  # APE's T (APE's README)
     ape_scale: float = 0.9  # APE's S
     summary_tokens: int = 128  # MapReduce: tokens per map summary
-    backend: str = "transformers"
+    backend: str = "transformers"  # or "vllm" (pced only, greedy): the same rule inside a vLLM engine
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # the engine's options, with --backend vllm
 
     def __post_init__(self) -> None:
         check_method(self.method)
         if self.retriever not in RETRIEVERS:
             raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; this installation has {', '.join(BACKENDS)}")
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.backend == "vllm" and self.method != "pced":
+            raise ValueError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
+        if self.backend == "vllm" and self.sampling.temperature > 0:
+            raise ValueError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
         if not 1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
         if not 1 <= self.top_n <= MAX_TOP_N:

@@ -44,7 +44,7 @@ class Asked:
     question: str
     candidates: list[Candidate]  # what the method read (after pruning), ranked order
     retrieval_s: float
-    generation: Generation
+    generation: Generation  # or a backend's equivalent (same iteration, answer(), rule_config)
 
     def __iter__(self) -> Iterator[Step]:
         return iter(self.generation)
@@ -65,14 +65,24 @@ def ask_candidates(engine, candidates: Sequence[Candidate], question: str, optio
     candidates = list(candidates)
     if options.method == "pced":
         candidates = prune_candidates(candidates, rule.gamma, options.max_experts, options.prune_margin)
-    generation = make_generation(engine, options.method, candidates, question, rule, options.sampling,
-                                 options.ape_temperature, options.ape_scale, options.summary_tokens)
+    if options.backend == "vllm":
+        from .backends.vllm.engine import VLLMGeneration, shared_engine
+
+        generation = VLLMGeneration(shared_engine(engine.llm.path, options.vllm), engine.llm, engine.builder, candidates,
+                                    question, rule, options.sampling)
+    else:
+        generation = make_generation(engine, options.method, candidates, question, rule, options.sampling,
+                                     options.ape_temperature, options.ape_scale, options.summary_tokens)
     return Asked(question, candidates, retrieval_s, generation)
 
 
 def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
     """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``."""
     check_question(question)
+    if options.backend == "vllm":  # start the engine before retrieval loads its libraries (vLLM 0.32 scans them)
+        from .backends.vllm.engine import shared_engine
+
+        shared_engine(store.llm.path, options.vllm)
     started = time.perf_counter()
     candidates = store.retrieve(question, options.retriever, top_k=options.top_k, top_n=options.top_n,
                                 rerank=options.rerank, reranker_path=options.reranker)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 
 from ..answers import SamplingConfig
-from ..options import METHODS, RETRIEVERS, AskOptions
+from ..backends.vllm.settings import VLLMSettings
+from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions
 from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
 
 SAMPLING = SamplingConfig()
+VLLM = VLLMSettings()
 
 
 class InputError(ValueError):
@@ -68,6 +70,18 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="PCED: drop experts whose prior gamma*log r is this many logits below the best one")
 
 
+def add_backend_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument("--backend", choices=BACKENDS, default=AskOptions.backend,
+                       help="transformers (default) or vllm (pced only, greedy; needs pip install 'pced[vllm]')")
+    group.add_argument("--gpu-memory-utilization", type=float, default=VLLM.gpu_memory_utilization,
+                       help=f"vllm: memory share for its KV cache (CPU build: RAM; default {VLLM.gpu_memory_utilization})")
+    group.add_argument("--max-num-seqs", type=int, default=VLLM.max_num_seqs,
+                       help=f"vllm: requests scheduled at once (a question is N+1; default {VLLM.max_num_seqs})")
+    group.add_argument("--tensor-parallel-size", type=int, default=VLLM.tensor_parallel_size,
+                       help="vllm: GPUs one model is split over (untested here: this project's CI has no GPU)")
+
+
 def ask_options_from(args: argparse.Namespace) -> AskOptions:
     """AskOptions from parsed options; a subcommand without retrieval options keeps those defaults.
     Every value is checked here, before any model or store loads."""
@@ -76,10 +90,14 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
                                                      "prune_margin") if hasattr(args, name)}
     if getattr(args, "no_rerank", False):
         fields["rerank"] = False
+    if hasattr(args, "backend"):
+        fields["backend"] = args.backend
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
                                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-        return AskOptions(**fields, sampling=sampling)
+        vllm = VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                            tensor_parallel_size=args.tensor_parallel_size) if hasattr(args, "backend") else VLLM
+        return AskOptions(**fields, sampling=sampling, vllm=vllm)
     except ValueError as exc:
         raise InputError(str(exc)) from None
 
@@ -96,5 +114,5 @@ def open_store(args: argparse.Namespace):
     return store
 
 
-__all__ = ["InputError", "add_decoding_options", "add_model_options", "add_retrieval_options", "ask_options_from",
-           "open_store", "parse_beta"]
+__all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_retrieval_options",
+           "ask_options_from", "open_store", "parse_beta"]

@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 
+from ..options import AskOptions
 from .common import InputError, add_model_options
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
@@ -49,6 +50,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--storage-dtype", default="float16", help="KV cache dtype on disk: float16 (default), float32, bfloat16")
     p.add_argument("--max-doc-tokens", default="1024", help="longer documents are split into chunks (default 1024)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--backend", default=AskOptions.backend,
+                   help="transformers (default) or vllm: PCED's runs on vLLM (needs pip install 'pced[vllm]'); baselines on transformers")
     add_model_options(p)
     p.set_defaults(func=cmd_eval)
 
@@ -126,6 +129,7 @@ def config_from(args: argparse.Namespace):
         bge_m3=args.bge_m3, reranker=args.reranker, storage_dtype=args.storage_dtype,
         max_doc_tokens=_int_option(args.max_doc_tokens, "--max-doc-tokens", 16),
         progress=not args.no_progress,
+        backend=args.backend,
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 from ..options import check_question
-from .common import InputError, add_decoding_options, add_model_options, ask_options_from
+from .common import InputError, add_backend_options, add_decoding_options, add_model_options, ask_options_from
 
 
 def add_generate_parser(sub) -> None:
@@ -21,6 +21,7 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
     add_model_options(gen)
     add_decoding_options(gen)
+    add_backend_options(gen)
     gen.set_defaults(func=cmd_generate)
 
 

@@ -10,7 +10,7 @@ from importlib import resources
 
 from ..answers import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
-from .common import (InputError, add_decoding_options, add_model_options, add_retrieval_options,
+from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
                      ask_options_from, open_store)
 
 DEMO_QUESTIONS = "demo_questions.json"
@@ -48,6 +48,7 @@ def add_ask_parser(sub) -> None:
     add_retrieval_options(p)
     add_model_options(p)
     add_decoding_options(p)
+    add_backend_options(p)
     p.set_defaults(func=cmd_ask)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Sequence
 
-from pced.options import DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
+from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 
 class EvalError(ValueError):
@@ -44,6 +44,7 @@ class EvalConfig:
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     max_doc_tokens: int = 1024  # IndexSettings.max_doc_tokens
     progress: bool = True
+    backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
 
 
 def _fmt(value) -> str:
@@ -91,6 +92,8 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--methods is empty")
     for method in methods:
         check_method(method)
+    if config.backend not in BACKENDS:
+        raise EvalError(f"--backend: {config.backend!r} is not one of {', '.join(BACKENDS)}")
     if config.limit is not None and config.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {config.limit}")
     relevance = None if config.relevance is None else list(dict.fromkeys(config.relevance))

@@ -39,14 +39,14 @@ __all__ = ["EvalConfig", "EvalError", "RunConfig", "build_grid", "run_eval", "va
 SECONDARY = {"subspan_em": ("em", "f1"), "icl_em": ("icl_lenient", "icl_em_pced")}
 HOTPOT_SECONDARY = ("hotpot_em", "hotpot_f1")
 RUN_IDENTITY = ("dataset", "setting", "model", "max_new_tokens", "seed", "bge_m3", "reranker",
-                "storage_dtype", "max_doc_tokens", "top_n")
+                "storage_dtype", "max_doc_tokens", "top_n", "backend")
 
 
 # --------------------------------------------------------------------------- one answer
 
 
 def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
-                 candidates: list[Candidate], sampling, retrieval_s: float) -> dict:
+                 candidates: list[Candidate], sampling, retrieval_s: float, backend: str = "transformers") -> dict:
     """Generate, score and describe one (example, config) pair as a results.jsonl record."""
     import torch
 
@@ -61,7 +61,8 @@ def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
               "timings": {"retrieval_s": round(retrieval_s, 6)}, "stats": {}}
     try:
         rule = {} if run.rule is None else {k: getattr(run.rule, k) for k in ("beta", "gamma", "aggregation", "score_space")}
-        options = AskOptions(method=run.method, sampling=sampling, **rule)
+        options = AskOptions(method=run.method, sampling=sampling, backend=backend if run.method == "pced" else "transformers",
+                             **rule)
         answer = ask_candidates(engine, candidates, example.question, options).answer()
     except (ValueError, torch.cuda.OutOfMemoryError) as exc:  # e.g. "all" past the context window
         record["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -129,7 +130,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict:
             "metric": dataset.metric}
     identity = {**meta, "model": model_setting, "max_new_tokens": config.max_new_tokens, "seed": config.seed,
                 "bge_m3": config.bge_m3, "reranker": config.reranker, "storage_dtype": config.storage_dtype,
-                "max_doc_tokens": config.max_doc_tokens, "top_n": config.top_n}
+                "max_doc_tokens": config.max_doc_tokens, "top_n": config.top_n,
+                "backend": None if config.backend == "transformers" else config.backend}
     out.mkdir(parents=True, exist_ok=True)
     _check_run_identity(out, identity)
     results = out / "results.jsonl"
@@ -156,6 +158,10 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
 
     total = sum(len(runs) for _, runs in todo)
     print(f"pced: {total} answers to compute ({len(todo)} examples; {n_done} already in {results})", flush=True)
+    if config.backend == "vllm":  # the engine starts before the retrieval libraries load (vLLM 0.32 scans them)
+        from pced.backends.vllm.engine import shared_engine
+
+        shared_engine(llm.path)
     store = prepare_store(config, dataset, llm, model_setting)
     source = CandidateSource(dataset, store, config)
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, seed=config.seed)
@@ -170,7 +176,7 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             store.engine.store.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
             for run in runs:
                 record = evaluate_one(store.engine, dataset, example, run, lists[run.top_k, run.relevance],
-                                      sampling, retrieval_s)
+                                      sampling, retrieval_s, config.backend)
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")
                 errors += "error" in record

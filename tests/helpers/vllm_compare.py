@@ -1,0 +1,26 @@
+"""Run in a fresh process by tests/test_vllm_backend.py (vLLM 0.32 must start its engine before the
+retrieval libraries are imported): ask the same questions of the same store with the transformers
+backend and the vLLM backend; print one JSON line per question with both answers."""
+
+import json
+import sys
+
+from pced.answers import SamplingConfig
+from pced.backends.vllm.engine import shared_engine
+from pced.backends.vllm.settings import VLLMSettings
+from pced.options import AskOptions
+from pced.pipeline import ask
+from pced.store import DocumentStore
+
+store_dir, questions_file, settings_json = sys.argv[1:4]
+store = DocumentStore.open(store_dir)
+settings = VLLMSettings(**json.loads(settings_json))
+engine = shared_engine(store.llm.path, settings)  # first: before retrieval imports its libraries
+print(json.dumps({"warm_up_tokens": engine.warm_up(store.engine.builder, [d.render() for d in store.documents])}),
+      flush=True)
+for question in json.loads(open(questions_file).read()):
+    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32), vllm=settings)
+    reference = ask(store, question, base)
+    served = ask(store, question, AskOptions(**{**base.__dict__, "backend": "vllm"}))
+    print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),
+                      "vllm_stats": served.answer().stats}), flush=True)

@@ -308,3 +308,18 @@ def test_model_fingerprint_changes_with_the_weights(tmp_path):
     assert model_fingerprint(tmp_path) == before
     (tmp_path / "w.bin").write_bytes(b"\1" * 10)
     assert model_fingerprint(tmp_path) != before
+
+
+def test_bm25s_debug_lines_stay_out_of_pced_output(bm25, tmp_path, capsys):
+    import logging
+
+    logging.getLogger("bm25s").setLevel(logging.DEBUG)  # what importing bm25s does
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # what pced index / eval install, at WARNING
+    root.addHandler(handler)
+    try:
+        BM25Retriever().index(CORPUS).save(tmp_path / "bm25")
+        load_retriever(tmp_path / "bm25").search("moon", 2)
+    finally:
+        root.removeHandler(handler)
+    assert "Building index" not in capsys.readouterr().err

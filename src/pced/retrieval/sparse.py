@@ -22,6 +22,15 @@ from pced.retrieval.scores import normalize_sparse
 from pced.retrieval.storage import library_versions, move_files_into, read_manifest, write_manifest
 
 TYPE = "bm25"
+
+
+def _bm25s():
+    """bm25s, quiet: it sets its logger to DEBUG on import, so with a handler on the root logger
+    (pced index and eval set one up) every index printed "Building index from IDs objects"."""
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
 _BM25_SUBDIR = "bm25s"
 
 
@@ -38,13 +47,13 @@ class BM25Retriever(BaseRetriever):
         self._bm25: Any = None
 
     def _tokenize(self, texts: list[str], return_ids: bool) -> Any:
-        import bm25s
+        bm25s = _bm25s()
 
         return bm25s.tokenize(texts, stopwords=self.stopwords or None, return_ids=return_ids,
                               show_progress=False)
 
     def _index_texts(self, texts: list[str]) -> None:
-        import bm25s
+        bm25s = _bm25s()
 
         bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)
         bm25.index(self._tokenize(texts, return_ids=True), show_progress=False)
@@ -77,12 +86,10 @@ class BM25Retriever(BaseRetriever):
     @classmethod
     def load(cls, directory: str | os.PathLike, mmap: bool = True) -> BM25Retriever:
         """Open a saved index; the score matrix is memory-mapped unless ``mmap=False``."""
-        import bm25s
+        bm25s = _bm25s()
 
         manifest = read_manifest(directory, TYPE)
         retriever = cls(name=manifest["name"], **manifest["params"])
-        # bm25s logs at INFO on every load; keep library noise out of our CLI output.
-        logging.getLogger("bm25s").setLevel(logging.WARNING)
         retriever._bm25 = bm25s.BM25.load(str(Path(directory) / _BM25_SUBDIR), mmap=mmap,
                                           show_progress=False)
         retriever.doc_ids = load_doc_ids(directory)

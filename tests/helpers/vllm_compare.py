@@ -7,7 +7,7 @@ import sys
 
 from pced.answers import SamplingConfig
 from pced.backends.vllm.engine import shared_engine
-from pced.backends.vllm.settings import VLLMSettings
+from pced.options import VLLMSettings
 from pced.options import AskOptions
 from pced.pipeline import ask
 from pced.store import DocumentStore

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..answers import SamplingConfig
-from ..backends.vllm.settings import VLLMSettings
-from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions
+from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions, VLLMSettings
 from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
 
 SAMPLING = SamplingConfig()

@@ -27,11 +27,11 @@ from typing import Iterator, Sequence
 from ...answers import Answer, SamplingConfig, Step
 from ...detokenize import TextTracker
 from ...documents import Candidate
+from ...options import VLLMSettings
 from ...prompts import PromptBuilder
 from ...rule import AMATEUR, RuleConfig
 from .groups import GroupMember
 from .processor import GROUPS, PCEDLogitsProcessor
-from .settings import VLLMSettings
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .defaults import EMBEDDED_NAME, is_embedded
+from .fingerprint import files_fingerprint
 from .fs import staging_dir, swap_directory
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,15 +135,8 @@ def model_fingerprint(path: Path, config: object) -> str:
     Hashing whole multi-GB files on every load would be slow; the edges and sizes change with
     any re-export or fine-tune in practice, and the config pins the architecture.
     """
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
-    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        size = weights.stat().st_size
-        digest.update(f"{weights.name}:{size}".encode())
-        with open(weights, "rb") as handle:
-            digest.update(handle.read(1 << 20))
-            handle.seek(max(0, size - (1 << 20)))
-            digest.update(handle.read(1 << 20))
-    return digest.hexdigest()[:16]
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    return files_fingerprint(path, weights, json.dumps(config.to_dict(), sort_keys=True, default=str).encode())[:16]
 
 
 def tokenizer_hash(tokenizer: object) -> str:

@@ -9,7 +9,6 @@ Arrays are plain ``.npy`` without pickle; nothing here ever unpickles.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -18,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from pced.fingerprint import files_fingerprint
 from pced.fs import atomic_path, atomic_write_json
 
 MANIFEST = "retriever.json"
 FORMAT_VERSION = 1
-_FINGERPRINT_CHUNK = 1 << 20
 
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> None:
@@ -94,19 +93,8 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     index manifest needs to notice ("these embeddings came from a different model").
     """
     root = Path(model_dir)
-    digest = hashlib.sha256()
     files = sorted(p for p in root.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(root)))
-    for p in files:
-        size = p.stat().st_size
-        digest.update(f"{p.relative_to(root).as_posix()}\0{size}\0".encode())
-        with open(p, "rb") as f:
-            if size <= 2 * _FINGERPRINT_CHUNK:
-                digest.update(f.read())
-            else:
-                digest.update(f.read(_FINGERPRINT_CHUNK))
-                f.seek(-_FINGERPRINT_CHUNK, os.SEEK_END)
-                digest.update(f.read(_FINGERPRINT_CHUNK))
-    return "sha256:" + digest.hexdigest()
+    return "sha256:" + files_fingerprint(root, files)
 
 
 def _is_hidden(rel: Path) -> bool:

@@ -19,6 +19,7 @@ import torch
 from .defaults import EMBEDDED_NAME, is_embedded
 from .fingerprint import files_fingerprint
 from .fs import staging_dir, swap_directory
+from .offline import force_offline
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -155,16 +156,13 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load a local causal LM directory (offline), or the embedded default when ``path`` is None."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    force_offline()
     # With an explicit attention mask (every pced forward has one) transformers' SDPA path copies
     # the keys/values once per query head group (repeat_kv) unless told to use SDPA's native GQA.
     # For 11 experts that copy dominated decoding (3x slower per token on CPU, measured).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # pced draws its own progress; a bar per load is noise
     if is_embedded(path if path is None else str(path)):
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:

@@ -10,18 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pced.offline import force_offline
+
+__all__ = ["EMBEDDED_MINILM", "force_offline", "local_model_dir", "model_reference"]
+
 EMBEDDED_MINILM = "embedded:all-MiniLM-L6-v2"
-
-
-def force_offline() -> None:
-    """Tell huggingface_hub / transformers not to touch the network (before they are imported), and
-    keep their per-load progress bars ("Loading weights") out of pced's output."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def local_model_dir(path: str | os.PathLike) -> Path:

@@ -90,8 +90,6 @@ class VLLMGeneration:
 
     def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
                  rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
-        if sampling.temperature > 0:
-            raise ValueError("pced on vLLM decodes greedily: --temperature is not supported with --backend vllm")
         self.engine, self.builder, self.candidates, self.question = engine, builder, list(candidates), question
         self.rule_config, self.sampling = rule, sampling
         self.tracker = TextTracker.for_model(llm, sampling)

@@ -5,6 +5,7 @@ import json
 from importlib import resources
 
 import pytest
+import torch
 
 from pced.answers import SamplingConfig
 from pced.cli import main
@@ -74,8 +75,10 @@ def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(emb
                                                                                                     sampling=options.sampling)
     assert engine_answer.token_ids == asked.answer().token_ids
     # the CLI
+    # the same thread count as this process: float sums then run in the same order
+    threads = str(torch.get_num_threads())
     assert main(["ask", str(embedded_store.root), QUESTION, "--json", "--top-k", "4", "--top-n", "30",
-                 "--max-new-tokens", "16"]) == 0
+                 "--max-new-tokens", "16", "--threads", threads]) == 0
     cli = json.loads(capsys.readouterr().out)
     # the server
     with TestClient(create_app(embedded_store)) as client:

@@ -20,12 +20,13 @@ first token is not observed separately (``ttft_s`` is the whole answer's time).
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from ...answers import Answer, SamplingConfig, Step
-from ...detokenize import TextTracker
+import torch
+
+from ...answers import SamplingConfig
+from ...decoding import Generation
 from ...documents import Candidate
 from ...options import VLLMSettings
 from ...prompts import PromptBuilder
@@ -82,67 +83,86 @@ class VLLMEngine:
         return sum(map(len, prompts))
 
 
-class VLLMGeneration:
-    """The ``decoding.Generation`` face of one PCED question on vLLM: iterate for Steps (after the
-    engine has produced the whole answer), then ``answer()``."""
+class EngineRows:
+    """``decoding.Rows`` over a vLLM group: ``prefill`` runs the whole question in the engine, then
+    each step hands the loop the group's chosen token (as one-hot logits) so that the one decoding
+    loop does the detokenization, stop strings, EOS and trace as for every other backend."""
 
-    method = "pced"
-
-    def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
-                 rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
-        self.engine, self.builder, self.candidates, self.question = engine, builder, list(candidates), question
-        self.rule_config, self.sampling = rule, sampling
-        self.tracker = TextTracker.for_model(llm, sampling)
-        self.trace: list[Step] = []
+    def __init__(self, engine: VLLMEngine, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
+                 rule: RuleConfig, sampling: SamplingConfig):
+        self.engine, self.rule, self.sampling = engine, rule, sampling
+        self.relevance = tuple(float(c.relevance) for c in candidates)
+        self.prompts = group_prompts(builder, candidates, question)
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
-        self.betas: list[float] = []
+        self.tokens: list[int] = []
+        self.state = None
+        self.step = 0
 
-    def __iter__(self) -> Iterator[Step]:
+    def prefill(self) -> torch.Tensor:
         from vllm import SamplingParams
 
-        started = time.perf_counter()
         group = uuid.uuid4().hex
-        relevance = tuple(float(c.relevance) for c in self.candidates)
-        prompts = group_prompts(self.builder, self.candidates, self.question)
         params = [SamplingParams(max_tokens=self.sampling.max_new_tokens, temperature=0.0, ignore_eos=self.sampling.ignore_eos,
                                  stop=list(self.sampling.stop) or None,
-                                 extra_args=GroupMember(group, member, relevance, self.rule_config).to_args())
-                  for member in range(len(prompts))]
+                                 extra_args=GroupMember(group, member, self.relevance, self.rule).to_args())
+                  for member in range(len(self.prompts))]
         # Prefill first: every member's prompt enters the prefix cache, so the group's own requests
         # need only their last partial block and are admitted in one step even under a small token
         # budget; a member admitted late could never catch up (every row advances one token a step).
-        self.engine.generate(prompts, [SamplingParams(max_tokens=1) for _ in prompts])
+        self.engine.generate(self.prompts, [SamplingParams(max_tokens=1) for _ in self.prompts])
         try:
-            outputs = self.engine.generate(prompts, params)
-            state = GROUPS.get(group)
+            outputs = self.engine.generate(self.prompts, params)
+            self.state = GROUPS.get(group)
         finally:
             GROUPS.pop(group, None)
-        tokens = list(outputs[0].outputs[0].token_ids)
-        if any(list(o.outputs[0].token_ids) != tokens for o in outputs):
+        self.tokens = list(outputs[0].outputs[0].token_ids)
+        if any(list(o.outputs[0].token_ids) != self.tokens for o in outputs):
             raise RuntimeError(f"pced group {group}: the rows of one question emitted different tokens")
-        self.timings["total_s"] = self.timings["ttft_s"] = time.perf_counter() - started
-        winners = state.winners if state is not None else [AMATEUR] * len(tokens)
-        self.betas = state.betas() if state is not None else []
-        self.stats.update(experts=len(self.candidates), context_tokens=sum(map(len, prompts)),
+        self.stats.update(experts=len(self.prompts) - 1, context_tokens=sum(map(len, self.prompts)),
                           cached_tokens=sum(o.num_cached_tokens or 0 for o in outputs),
-                          degraded_steps=state.degraded if state is not None else 0)
-        for index, (token, winner) in enumerate(zip(tokens, winners)):
-            piece = self.tracker.push(token)
-            if token in self.tracker.eos_ids:
-                break
-            doc_id = None if winner == AMATEUR else self.candidates[winner].document.id
-            self.trace.append(Step(index, token, piece, winner, doc_id))
-            yield self.trace[-1]
-            if self.tracker.finished:
-                break
-        rest = self.tracker.flush()
-        if rest and self.trace:
-            self.trace[-1].text += rest
+                          degraded_steps=self.state.degraded if self.state is not None else 0)
+        return self._logits()
 
-    def answer(self) -> Answer:
-        if "total_s" not in self.timings:
-            for _ in self:
-                pass
-        return Answer(text=self.tracker.text, token_ids=list(self.tracker.ids), trace=self.trace, betas=self.betas,
-                      timings=dict(self.timings), method="pced", amateur_only=not self.candidates, stats=dict(self.stats))
+    def advance(self, token: int) -> torch.Tensor:
+        self.step += 1
+        if self.step >= len(self.tokens):
+            raise RuntimeError("the vLLM engine stopped before the answer did (a stop it saw and pced did not)")
+        return self._logits()
+
+    def _logits(self) -> torch.Tensor:
+        logits = torch.zeros(1, max(self.tokens) + 1)
+        logits[0, self.tokens[self.step]] = 1.0
+        return logits
+
+
+class TapeScoring:
+    """The group's decisions, read back: each step's token (the one-hot row) and its winner."""
+
+    def __init__(self, rows: EngineRows, candidates: Sequence[Candidate]):
+        self.rows, self.doc_ids = rows, [c.document.id for c in candidates]
+        self.rule_config = rows.rule
+
+    def scores(self, logits: torch.Tensor):
+        winners = self.rows.state.winners if self.rows.state is not None else []
+        step = self.rows.step
+        return logits[0], lambda token: winners[step] if step < len(winners) else AMATEUR
+
+    def doc_id(self, winner: int) -> str | None:
+        return None if winner == AMATEUR else self.doc_ids[winner]
+
+    def support(self, token: int) -> list[float]:
+        return []
+
+    def betas(self) -> list[float]:
+        return self.rows.state.betas() if self.rows.state is not None else []
+
+
+class VLLMGeneration(Generation):
+    """One PCED question on vLLM through the one decoding loop (the engine answers in ``prefill``,
+    so the time to first token is the whole answer's)."""
+
+    def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
+                 rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
+        rows = EngineRows(engine, builder, candidates, question, rule, sampling)
+        super().__init__(rows, TapeScoring(rows, candidates), llm, sampling, method="pced", amateur_only=not candidates)

@@ -3,9 +3,11 @@
 Starts ``pced serve STORE`` itself on a free port (default store: the demo store that ``pced demo``
 builds in $PCED_CACHE_DIR/demo-store-<version>), or takes ``--url`` of a running server. Half the
 clients stream (SSE, time to first token measured), half do plain chat completions. Prints and
-saves median / p95 latency to runs/load_test/results.{json,md}.
+saves median / p95 latency to runs/load_test/results.{json,md} (one section per --backend, and the
+requests/s ratio to the first backend when several are given).
 
     python scripts/load_test.py                      # demo store, 20 clients x 5 questions
+    python scripts/load_test.py --backend transformers --backend vllm   # both servers, one after the other
     python scripts/load_test.py --store DIR --model PATH
     python scripts/load_test.py --url http://127.0.0.1:8000 --api-key KEY
 """
@@ -62,13 +64,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, backend: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "pced.cli", "serve", str(args.store), "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "pced.cli", "serve", str(args.store), "--port", str(port), "--log-level", "warning",
+               "--backend", backend]
     if args.model:
         command += ["--model", args.model]
     env = dict(os.environ, **({"PCED_API_KEY": args.api_key} if args.api_key else {}))
-    log = open(Path(args.out) / "server.log", "w")
+    log = open(Path(args.out) / f"server-{backend}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.startup_timeout
@@ -129,10 +132,16 @@ async def one_request(http: httpx.AsyncClient, question: str, stream: bool, args
     return record
 
 
-async def client(index: int, http: httpx.AsyncClient, questions: list[str], args) -> list[dict]:
+async def client(index: int, http: httpx.AsyncClient, questions: list[str], args, progress: list[int]) -> list[dict]:
     stream = index % 2 == 0
     picked = [questions[(index + j) % len(questions)] for j in range(args.questions)]
-    return [await one_request(http, question, stream, args) for question in picked]
+    records = []
+    for question in picked:
+        records.append(await one_request(http, question, stream, args))
+        progress[0] += 1
+        if progress[0] % 10 == 0 or progress[0] == args.clients * args.questions:
+            print(f"load_test: {progress[0]}/{args.clients * args.questions} requests done", flush=True)
+    return records
 
 
 async def run_load(url: str, args) -> tuple[list[dict], float]:
@@ -141,12 +150,13 @@ async def run_load(url: str, args) -> tuple[list[dict], float]:
     questions = load_questions()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as http:
         started = time.perf_counter()
-        per_client = await asyncio.gather(*(client(i, http, questions, args) for i in range(args.clients)))
+        progress = [0]
+        per_client = await asyncio.gather(*(client(i, http, questions, args, progress) for i in range(args.clients)))
         wall = time.perf_counter() - started
     return [record for records in per_client for record in records], wall
 
 
-def summarize(records: list[dict], wall: float, args, health: dict) -> dict:
+def summarize(records: list[dict], wall: float, args, health: dict, backend: str) -> dict:
     ok = [r for r in records if r["ok"]]
     latency = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -161,7 +171,8 @@ def summarize(records: list[dict], wall: float, args, health: dict) -> dict:
         "settings": {"clients": args.clients, "questions_per_client": args.questions, "max_tokens": args.max_tokens,
                      "top_k": args.top_k, "store": str(args.store) if not args.url else None, "url": args.url,
                      "streaming_clients": (args.clients + 1) // 2},
-        "server": {"model": health.get("model"), "documents": health.get("documents")},
+        "server": {"model": health.get("model"), "documents": health.get("documents"), "backend": backend,
+                   "engine": health.get("backend")},
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "requests": len(records), "errors": len(records) - len(ok),
         "error_samples": [r.get("error") or r.get("status") for r in records if not r["ok"]][:5],
@@ -178,7 +189,7 @@ def markdown(summary: dict) -> str:
 
     s = summary["settings"]
     return "\n".join([
-        "# pced serve load test",
+        f"## pced serve --backend {summary['server']['backend']}",
         "",
         f"{s['clients']} concurrent clients x {s['questions_per_client']} questions on loopback "
         f"({s['streaming_clients']} clients streaming), max_tokens {s['max_tokens']}, top_k {s['top_k']}; "
@@ -210,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--out", default="runs/load_test")
+    parser.add_argument("--backend", action="append", choices=["transformers", "vllm"], default=None,
+                        help="server backend to load-test (repeatable; default transformers); ignored with --url")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    process = None
+    backends = args.backend or ["transformers"]
     if args.url is None:
         if args.store is None:
             from pced import __version__
@@ -221,27 +234,43 @@ def main(argv: list[str] | None = None) -> int:
             args.store = cache_root() / f"demo-store-{__version__}"
         if not (Path(args.store) / "manifest.json").is_file():
             raise SystemExit(f"load_test: no store at {args.store} (run `pced demo` once, or pass --store / --url)")
-        process, url = start_server(args)
     else:
-        url = args.url.rstrip("/")
-    try:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-        print(f"load_test: {args.clients} clients x {args.questions} questions against {url} ({health.get('model')}) ...")
-        records, wall = asyncio.run(run_load(url, args))
-    finally:
-        if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-    summary = summarize(records, wall, args, health)
+        backends = ["(given url)"]
+    results = []
+    for backend in backends:
+        process = None
+        if args.url is None:
+            process, url = start_server(args, backend)
+        else:
+            url = args.url.rstrip("/")
+        try:
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            print(f"load_test: {args.clients} clients x {args.questions} questions against {url} "
+                  f"({health.get('model')}, backend {backend}) ...", flush=True)
+            records, wall = asyncio.run(run_load(url, args))
+            health = httpx.get(f"{url}/health", timeout=10).json()  # the engine's counters after the load
+        finally:
+            if process is not None:
+                process.terminate()
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        summary = summarize(records, wall, args, health, backend)
+        print(markdown(summary), flush=True)
+        results.append({"summary": summary, "requests": records})
     out = Path(args.out)
-    (out / "results.json").write_text(json.dumps({"summary": summary, "requests": records}, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(summary))
-    print(markdown(summary))
+    text = "# pced serve load test\n\n" + "\n".join(markdown(r["summary"]) for r in results)
+    if len(results) > 1:
+        base = results[0]["summary"]["requests_per_s"]
+        text += "\n## Requests/s against " + results[0]["summary"]["server"]["backend"] + "\n\n"
+        text += "\n".join(f"- {r['summary']['server']['backend']}: {r['summary']['requests_per_s']:.2f} requests/s "
+                          f"({r['summary']['requests_per_s'] / base:.2f}x), errors {r['summary']['errors']}"
+                          for r in results) + "\n"
+    (out / "results.json").write_text(json.dumps({"runs": results}, indent=2) + "\n")
+    (out / "results.md").write_text(text)
     print(f"load_test: saved {out / 'results.json'} and {out / 'results.md'}")
-    return 0 if summary["errors"] == 0 else 1
+    return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -49,9 +49,17 @@ def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     (["Who?", "--method", "magic"], "unknown method"),
     (["Who?", "--threads", "0"], "--threads must be at least 1"),
     (["  "], "the question is empty"),
+    (["Who?", "--backend", "vllm", "--kv-transfer-config", "/nonexistent/kv.json"], "not a readable JSON file"),
 ])
 def test_unbounded_or_invalid_ask_options_are_refused_before_any_model_loads(store_dir, capsys, argv, expected):
     one_line_error(capsys, main(["ask", str(store_dir), *argv]), expected)
+
+
+def test_a_kv_transfer_config_without_a_connector_is_refused_before_any_engine_starts(store_dir, tmp_path, capsys):
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps({"kv_role": "kv_both"}))
+    one_line_error(capsys, main(["ask", str(store_dir), "Who?", "--backend", "vllm", "--kv-transfer-config", str(config)]),
+                   "expected a JSON object with 'kv_connector'")
 
 
 def test_corpus_with_a_latin1_line_names_file_and_line(tmp_path, capsys):

@@ -51,3 +51,19 @@ def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_store,
         assert [e["doc_id"] for e in served["experts"]] == [e["doc_id"] for e in reference["experts"]]
         stats = row["vllm_stats"]
         assert stats["degraded_steps"] == 0 and stats["cached_tokens"] > 0  # documents came from the prefix cache
+
+
+def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
+    from helpers.cli import run_pced
+
+    out = tmp_path / "bench"
+    result = run_pced("bench", "--backend", "vllm", "--ks", "2", "--doc-tokens", "64", "--concurrency", "3",
+                      "--repeats", "1", "--new-tokens", "4", "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "bench_vllm.json").read_text())
+    assert [row["k"] for row in report["latency"]] == [2]
+    for backend in ("transformers", "vllm"):
+        assert report["latency"][0][backend]["new_tokens"] == 4  # EOS ignored: exactly the asked length
+    assert report["throughput"][0]["questions"] == 3 and report["throughput"][0]["vllm"]["questions_per_s"] > 0
+    assert report["engine_counters"]["questions"] == 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
+    assert (out / "bench_vllm.md").is_file() and (out / "bench_vllm.png").stat().st_size > 0

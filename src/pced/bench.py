@@ -12,38 +12,22 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .answers import SamplingConfig
+from .bench_config import BenchConfig
 from .documents import Candidate, Document
 from .engine import Engine
 from .fs import atomic_write_json, atomic_write_text
 from .kvstore import KVStore
 from .llm import LoadedModel
-from .options import DEFAULT_STORAGE_DTYPE, AskOptions
+from .options import AskOptions
 from .pipeline import ask_candidates
 from .prompts import RAG_TEMPLATE, PromptBuilder
-
-
-@dataclass
-class BenchConfig:
-    ks: tuple[int, ...] = (4, 8, 16, 32, 64)
-    doc_tokens: tuple[int, ...] = (256, 448)
-    new_tokens: int = 16  # for per-token decode time
-    repeats: int = 3
-    storage_dtype: str = DEFAULT_STORAGE_DTYPE
-    methods: tuple[str, ...] = ("pced", "all", "ape")
-    storage_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
-    long_new_tokens: int = 128  # end-to-end latency of a long answer at the largest k
-    memory: bool = True  # peak resident memory of each method, each in a fresh process
-    cold: bool = True  # also measure PCED with the cache files evicted from the page cache
-    out: str = "runs/bench"
-    seed: int = 42
-    extra: dict = field(default_factory=dict)
 
 
 def evict_from_page_cache(paths: list[Path]) -> None:

@@ -52,6 +52,9 @@ class Rows(Protocol):
 
     def advance(self, token: int) -> torch.Tensor: ...
 
+    # Optional ``close()``: called once the loop ends (finished, stopped early or abandoned), for
+    # rows that hold engine resources (the vLLM backend's running requests).
+
 
 class Scoring(Protocol):
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, Callable[[int], int]]: ...
@@ -140,6 +143,14 @@ class Generation:
         return self.rows.stats
 
     def __iter__(self) -> Iterator[Step]:
+        try:
+            yield from self._steps()
+        finally:  # finished, stopped early or abandoned: rows that hold engine resources give them back
+            close = getattr(self.rows, "close", None)
+            if close is not None:
+                close()
+
+    def _steps(self) -> Iterator[Step]:
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
         logits = self.rows.prefill()

@@ -9,8 +9,10 @@ the paper's rule with the model family's measured overrides, or the paper's alon
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .answers import SamplingConfig
 from .defaults import resolve_rule
@@ -76,6 +78,7 @@ class VLLMSettings:
     # logits yet, indistinguishable from real ones; whole prefills keep every row meaningful.
     enable_chunked_prefill: bool = False
     enforce_eager: bool = True  # no graph capture: seconds to start instead of minutes on a CPU
+    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading)
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -83,8 +86,25 @@ class VLLMSettings:
         if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
             raise ValueError("max_num_seqs and tensor_parallel_size must be at least 1")
 
+        if self.kv_transfer_config is not None:
+            self.kv_transfer()  # a missing or malformed file is refused before any engine starts
+
+    def kv_transfer(self) -> dict:
+        path = Path(self.kv_transfer_config)
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
+        if not isinstance(value, dict) or "kv_connector" not in value:
+            raise ValueError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
+                             "(vLLM's KVTransferConfig, e.g. LMCacheConnectorV1)")
+        return value
+
     def engine_args(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        args = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.kv_transfer_config is not None:
+            args["kv_transfer_config"] = self.kv_transfer()
+        return args
 
 
 @dataclass(frozen=True)

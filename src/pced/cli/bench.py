@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..bench_config import BenchConfig
+from .common import add_backend_options
+
+DEFAULTS = BenchConfig()
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -17,25 +22,31 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="time to first token, decode cost, storage and memory: PCED vs all vs APE")
-    p.add_argument("--ks", type=_ints, default=(4, 8, 16, 32, 64), help="numbers of documents (default 4,8,16,32,64)")
-    p.add_argument("--doc-tokens", type=_ints, default=(256, 448), help="tokens per document (default 256,448)")
-    p.add_argument("--methods", default="pced,all,ape", help="subset of pced,all,ape")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run (decode timing)")
-    p.add_argument("--long-new-tokens", type=int, default=128, help="tokens for the end-to-end run (0: skip it)")
-    p.add_argument("--storage-dtypes", default="float16,bfloat16,float32", help="dtypes for the storage table ('' to skip)")
-    p.add_argument("--storage-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    joined = ",".join
+    p.add_argument("--ks", type=_ints, default=DEFAULTS.ks, help=f"numbers of documents (default {joined(map(str, DEFAULTS.ks))})")
+    p.add_argument("--doc-tokens", type=_ints, default=DEFAULTS.doc_tokens,
+                   help=f"tokens per document (default {joined(map(str, DEFAULTS.doc_tokens))}; --backend vllm: the first)")
+    p.add_argument("--methods", default=joined(DEFAULTS.methods), help="subset of pced,all,ape")
+    p.add_argument("--repeats", type=int, default=DEFAULTS.repeats)
+    p.add_argument("--new-tokens", type=int, default=DEFAULTS.new_tokens, help="tokens generated per run (decode timing)")
+    p.add_argument("--long-new-tokens", type=int, default=DEFAULTS.long_new_tokens,
+                   help="tokens for the end-to-end run (0: skip it)")
+    p.add_argument("--storage-dtypes", default=joined(DEFAULTS.storage_dtypes), help="dtypes for the storage table ('' to skip)")
+    p.add_argument("--storage-dtype", choices=["float16", "bfloat16", "float32"], default=DEFAULTS.storage_dtype)
+    p.add_argument("--concurrency", type=_ints, default=DEFAULTS.concurrency,
+                   help=f"--backend vllm: questions answered at once (default {joined(map(str, DEFAULTS.concurrency))})")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
+    add_backend_options(p)
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench import BenchConfig, run_bench
+    from ..bench import run_bench
     from ..llm import load_model
-    from .common import InputError
+    from .common import InputError, vllm_settings_from
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if not methods or not set(methods) <= {"pced", "all", "ape"}:
@@ -47,7 +58,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError("--storage-dtypes must be a subset of float16,bfloat16,float32")
     config = BenchConfig(ks=args.ks, storage_dtypes=dtypes, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
                          new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
-                         storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out)
+                         storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out,
+                         concurrency=args.concurrency)
+    if args.backend == "vllm":
+        try:
+            settings = vllm_settings_from(args)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        from ..backends.vllm.engine import shared_engine
+        from ..bench_vllm import run_vllm_bench
+
+        llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")
+        shared_engine(llm.path, settings)  # before anything imports the retrieval libraries (vLLM 0.32 scans them)
+        run_vllm_bench(llm, config, settings)
+        print(open(f"{args.out}/bench_vllm.md").read())
+        print(f"pced: wrote {args.out}/bench_vllm.json, bench_vllm.md and bench_vllm.png")
+        return 0
     llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")
     run_bench(llm, config)
     print(open(f"{args.out}/bench.md").read())

@@ -79,6 +79,17 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
                        help=f"vllm: requests scheduled at once (a question is N+1; default {VLLM.max_num_seqs})")
     group.add_argument("--tensor-parallel-size", type=int, default=VLLM.tensor_parallel_size,
                        help="vllm: GPUs one model is split over (untested here: this project's CI has no GPU)")
+    group.add_argument("--kv-transfer-config", default=VLLM.kv_transfer_config, metavar="FILE",
+                       help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
+                            "to keep document KV beyond GPU memory and restarts")
+
+
+def vllm_settings_from(args: argparse.Namespace) -> VLLMSettings:
+    """The engine settings of --backend vllm's options (the defaults where a subcommand has none)."""
+    if not hasattr(args, "backend"):
+        return VLLM
+    return VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                        tensor_parallel_size=args.tensor_parallel_size, kv_transfer_config=args.kv_transfer_config)
 
 
 def ask_options_from(args: argparse.Namespace) -> AskOptions:
@@ -94,9 +105,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
                                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-        vllm = VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                            tensor_parallel_size=args.tensor_parallel_size) if hasattr(args, "backend") else VLLM
-        return AskOptions(**fields, sampling=sampling, vllm=vllm)
+        return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args))
     except ValueError as exc:
         raise InputError(str(exc)) from None
 
@@ -113,5 +122,5 @@ def open_store(args: argparse.Namespace):
     return store
 
 
-__all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_retrieval_options",
+__all__ = ["InputError", "add_backend_options", "vllm_settings_from", "add_decoding_options", "add_model_options", "add_retrieval_options",
            "ask_options_from", "open_store", "parse_beta"]

@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from .common import InputError, add_model_options, open_store
+from .common import InputError, add_backend_options, add_model_options, open_store, vllm_settings_from
 
 
 def add_serve_parser(sub) -> None:
@@ -18,6 +18,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PCED_API_KEY if set, else open)")
     add_model_options(p)
+    add_backend_options(p)
     from ..server.schemas import Limits
 
     defaults = Limits()
@@ -28,6 +29,8 @@ def add_serve_parser(sub) -> None:
                         help=f"largest max_tokens a request may ask (default {defaults.max_tokens})")
     limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
                         help=f"requests queued or running before 503 (default {defaults.max_queue})")
+    limits.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent,
+                        help=f"--backend vllm: questions decoding at once (default {defaults.max_concurrent})")
     limits.add_argument("--max-documents", type=int, default=defaults.max_documents,
                         help=f"documents a request may carry (default {defaults.max_documents})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -46,7 +49,7 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be between 0 and 65535, got {args.port}")
-    for name in ("max_body_bytes", "max_tokens", "max_queue", "max_documents"):
+    for name in ("max_body_bytes", "max_tokens", "max_queue", "max_documents", "max_concurrent"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
     try:
@@ -58,12 +61,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
-                    max_documents=args.max_documents,
+                    max_documents=args.max_documents, max_concurrent=args.max_concurrent,
                     default_max_tokens=min(Limits.default_max_tokens, args.max_tokens))
+    try:
+        vllm = vllm_settings_from(args)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
-    app = create_app(store, limits, api_key=api_key)
-    app.state.worker.warm_up()
+    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm)
+    report = app.state.worker.warm_up()
+    if args.backend == "vllm":
+        print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "
+              f"({report['warm_up_tokens']} tokens) prefilled into its prefix cache in {report['warm_up_s']:.1f} s",
+              file=sys.stderr)
     if not _is_loopback(args.host) and not api_key:
         print(f"pced: warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..options import AskOptions, VLLMSettings
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
 from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job
@@ -117,9 +118,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}{more}", param, "invalid_value"
 
 
-def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None) -> FastAPI:
-    """An app over an opened DocumentStore; one generation at a time, in a worker thread."""
-    worker = Worker(store, limits)
+def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
+               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings()) -> FastAPI:
+    """An app over an opened DocumentStore: on the transformers backend one generation at a time,
+    in a worker thread; on the vLLM backend PCED questions decode together in its engine."""
+    worker = Worker(store, limits, backend, vllm)
     model_name = model_id or store.llm.name
 
     @asynccontextmanager
@@ -193,7 +196,7 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
-                "last_tokens": worker.last_tokens, **worker.counts}
+                "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health()}
 
     @app.get("/v1/models")
     async def models():

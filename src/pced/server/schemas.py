@@ -39,6 +39,7 @@ class Limits:
     max_stop: int = 4
     max_stop_chars: int = 64
     max_queue: int = 64
+    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
 
 
 class RequestError(ValueError):

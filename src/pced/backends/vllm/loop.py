@@ -1,0 +1,147 @@
+"""One thread owns the vLLM engine and steps it; any thread submits requests and reads their outputs.
+
+This is what lets many questions decode at once (continuous batching): each question's requests
+are added to the running engine between two steps, and every step advances all of them. The
+engine is built *inside* the thread, so the calls that bind the CPU build's OpenMP threads and every
+later ``step()`` happen on the same thread.
+
+``submit(prompts, params, sink)`` queues the requests; after each step ``sink(output)`` is called
+(on the engine thread: keep it short) with every ``RequestOutput`` of those requests. If the engine
+fails, every live sink gets ``sink(exception)`` and the loop refuses further work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Sequence
+
+log = logging.getLogger("pced.vllm")
+Sink = Callable[[object], None]  # a vllm RequestOutput, or the exception that stopped the engine
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine stopped (it failed to start or failed in a step)."""
+
+
+class EngineLoop:
+    def __init__(self, build: Callable[[], object], name: str = "pced-vllm"):
+        """``build()`` returns a ``vllm.LLM``; it runs on the loop's thread. Raises what it raised."""
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._failed: BaseException | None = None
+        self._ready = threading.Event()
+        self.llm = None
+        self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
+
+    def submit(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence, sink: Sink) -> None:
+        if self._failed is not None:
+            raise EngineError(f"the vLLM engine has stopped: {self._failed}")
+        self._commands.put(("add", list(zip(request_ids, prompts, params)), sink))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._commands.put(("abort", list(request_ids), None))
+
+    def close(self) -> None:
+        self._commands.put(("close", None, None))
+
+    def _run(self, build) -> None:
+        try:
+            self.llm = build()
+        except BaseException as exc:  # reported by __init__ on the caller's thread
+            self._failed = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        engine = self.llm.llm_engine
+        try:
+            while True:
+                # wait for work only when the engine has none; otherwise take what has queued up
+                block = not engine.has_unfinished_requests()
+                while True:
+                    try:
+                        kind, payload, sink = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if kind == "close":
+                        return
+                    if kind == "abort":
+                        live = [r for r in payload if self._sinks.pop(r, None) is not None]
+                        if live:
+                            engine.abort_request(live)
+                    else:
+                        self._add(engine, payload, sink)
+                if engine.has_unfinished_requests():
+                    for output in engine.step():
+                        sink = self._sinks.get(output.request_id)
+                        if sink is not None:
+                            if output.finished:
+                                del self._sinks[output.request_id]
+                            sink(output)
+        except BaseException as exc:
+            log.exception("the vLLM engine failed")
+            self._failed = exc
+            for sink in set(self._sinks.values()):
+                sink(EngineError(f"the vLLM engine failed: {exc}"))
+            self._sinks.clear()
+
+    def _add(self, engine, requests, sink: Sink) -> None:
+        from vllm.inputs import TokensPrompt
+
+        added = []
+        try:
+            for request_id, prompt, params in requests:
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+                self._sinks[request_id] = sink
+                added.append(request_id)
+        except Exception as exc:  # a request the engine refuses (too long, bad params): only its sender hears
+            for request_id in added:
+                self._sinks.pop(request_id, None)
+            if added:
+                engine.abort_request(added)
+            sink(exc)
+
+
+class Collector:
+    """A sink that keeps each request's token ids and wakes a waiting thread on every change."""
+
+    def __init__(self, request_ids: Sequence[str]):
+        self.ids = list(request_ids)
+        self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
+        self.cached: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.error: BaseException | None = None
+        self._changed = threading.Condition()
+        self.on_tokens: Callable[[str, list[int]], None] | None = None  # called on the engine thread
+
+    def __call__(self, output) -> None:
+        with self._changed:
+            if isinstance(output, BaseException):
+                self.error = output
+            else:
+                new = list(output.outputs[0].token_ids) if output.outputs else []
+                self.tokens[output.request_id].extend(new)
+                if output.num_cached_tokens is not None:
+                    self.cached[output.request_id] = output.num_cached_tokens
+                if output.finished:
+                    self.finished.add(output.request_id)
+                if self.on_tokens is not None and new:
+                    self.on_tokens(output.request_id, new)
+            self._changed.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.finished) == len(self.ids)
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Block until ``ready()`` or every request has finished; raise the engine's error if any."""
+        with self._changed:
+            self._changed.wait_for(lambda: ready() or self.done)
+            if self.error is not None:
+                raise self.error

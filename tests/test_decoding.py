@@ -5,9 +5,9 @@ import torch
 
 from pced.answers import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration, generate
-from pced.kvstore import encode_documents, encode_prefix
-from pced.prompts import PromptBuilder
 from pced.rule import AMATEUR, RuleConfig
+
+from helpers.experts import encode_setup
 
 QUESTION = "Which town was the founder born in?"
 DOCS = [
@@ -19,10 +19,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def setup(tiny_llm):
-    builder = PromptBuilder(tiny_llm.tokenizer)
-    prefix = encode_prefix(tiny_llm, builder.prefix_ids)
-    caches = encode_documents(tiny_llm, prefix, [builder.context_ids([d]) for d in DOCS])
-    return tiny_llm, builder, prefix, caches
+    return encode_setup(tiny_llm, DOCS)
 
 
 def experts_for(caches, relevances=None):

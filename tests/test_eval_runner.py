@@ -223,3 +223,26 @@ def test_out_dir_of_another_run_is_refused_before_loading(tmp_path, tiny_model_d
     code = main(["eval", "--dataset", str(LOFT_TINY), "--model", str(tiny_model_dir), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "holds results of another run" in err and err.count("\n") == 1
+
+
+def test_follow_sweeps_decode_time_relevance_and_off_is_todays_run(tmp_path, tiny_model_dir):
+    """--follow off,rescore+join: the off run is the plain run's records; the other carries its
+    settings, the experts that joined, and the relevance it ranked with."""
+    common = ["eval", "--dataset", str(LOFT_TINY), "--methods", "pced", "--top-k", "1", "--max-new-tokens", "6",
+              "--model", str(tiny_model_dir), "--work-dir", str(tmp_path / "store")]
+    plain, _ = pced(*common, "--out", str(tmp_path / "plain"))
+    follow, _ = pced(*common, "--follow", "off,rescore+join", "--max-joins", "2", "--out", str(tmp_path / "follow"))
+    assert plain.returncode == 0 and follow.returncode == 0, plain.stderr + follow.stderr
+    by_config: dict[str, list] = {}
+    for r in records(tmp_path / "follow"):
+        by_config.setdefault(r["config"], []).append(r)
+    off = by_config.pop(next(k for k in by_config if "follow" not in k))
+    assert [(r["prediction"], r["trace"]) for r in off] == [(r["prediction"], r["trace"]) for r in records(tmp_path / "plain")]
+    (key, followed), = by_config.items()
+    assert key.endswith("|follow=rescore+join,joins=2")
+    for r in followed:
+        assert r["settings"]["rescore"] is True and r["settings"]["max_joins"] == 2
+        assert len(r["joined"]) <= 2 and len(r["experts"]) == 1
+    assert "rescore+join<=2" in (tmp_path / "follow" / "table.md").read_text()
+    bad = run_pced(*common, "--follow", "sideways", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "--follow: unknown mode 'sideways'" in bad.stderr

@@ -39,6 +39,7 @@ class Step:
     winner: int
     doc_id: str | None
     support: list[float] = field(default_factory=list)  # s_hat_k[token] per expert (PCED only)
+    relevance: list[float] | None = None  # r_k used at this step, when decode-time relevance is on
 
 
 @dataclass
@@ -67,7 +68,8 @@ def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: fl
         "answer": answer.text,
         "method": answer.method,
         "experts": experts_json(candidates),
-        "trace": [{"token": step.text, "doc_id": step.doc_id} for step in answer.trace],
+        "trace": [{"token": step.text, "doc_id": step.doc_id,
+                   **({"relevance": step.relevance} if step.relevance is not None else {})} for step in answer.trace],
         "beta": answer.betas,
         "timings": timings,
         "amateur_only": answer.amateur_only,

@@ -165,17 +165,27 @@ class Generation:
             piece = self.tracker.push(token)
             if token in self.tracker.eos_ids:
                 break
-            step = Step(index, token, piece, winner, self.scoring.doc_id(winner), self.scoring.support(token))
+            step = Step(index, token, piece, winner, self.scoring.doc_id(winner), self.scoring.support(token),
+                        self.step_relevance())
             self.trace.append(step)
             yield step
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
                 break
+            self.between_tokens()
             logits = self.rows.advance(token)
         rest = self.tracker.flush()
         if rest and self.trace:
             self.trace[-1].text += rest
         self.timings["total_s"] = time.perf_counter() - started
         self.timings.setdefault("ttft_s", self.timings["total_s"])
+
+    def between_tokens(self) -> None:
+        """After a token is chosen and streamed, before the rows take it: a method may change its
+        experts here (PCED's decode-time relevance). Nothing by default."""
+
+    def step_relevance(self) -> list[float] | None:
+        """The relevance each expert had at this step, when it can change during the answer."""
+        return None
 
     def answer(self) -> Answer:
         if "total_s" not in self.timings:

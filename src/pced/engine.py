@@ -14,7 +14,7 @@ from typing import Sequence
 
 from .answers import Answer, SamplingConfig
 from .documents import Candidate
-from .kvstore import KVStore
+from .kvstore import DocKV, KVStore
 from .options import DEFAULT_STORAGE_DTYPE
 from .llm import LoadedModel, cache_root, load_model
 from .methods.pced import Expert, PCEDGeneration
@@ -56,8 +56,10 @@ class Engine:
         question: str,
         rule: RuleConfig | None = None,
         sampling: SamplingConfig = SamplingConfig(),
+        follow=None,
     ) -> PCEDGeneration:
-        """A PCED Generation: iterate it for Steps as tokens are chosen, then call ``answer()``."""
+        """A PCED Generation: iterate it for Steps as tokens are chosen, then call ``answer()``;
+        ``follow`` (a ``methods.follow.Follow``) turns on decode-time relevance."""
         return PCEDGeneration(
             self.llm,
             self.store.prefix(),
@@ -66,7 +68,12 @@ class Engine:
             self.builder.suffix_ids(question, with_context=False),
             rule,
             sampling,
+            follow,
         )
+
+    def load(self, candidate: Candidate) -> DocKV:
+        """One candidate's document cache (encoded and stored first if it is new)."""
+        return self.store.load(self.store.add([candidate.document.render()], progress=False)[0])
 
     def answer(self, *args, **kwargs) -> Answer:
         """``stream`` with the same arguments, to completion."""

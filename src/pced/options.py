@@ -124,6 +124,8 @@ class AskOptions:
     aggregation: str | None = None  # None: the model family's rule (max)
     score_space: str | None = None  # None: the model family's rule (logits)
     paper_defaults: bool = False  # unset rule settings from the paper's rule, not the family's
+    rescore: bool = False  # PCED: at word boundaries, r_k <- max(r_k, r_k against question + answer so far)
+    max_joins: int = 0  # PCED: documents that may join as experts mid-answer (retrieved with question + answer)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ape_temperature: float = 0.9  # APE's T (APE's README)
     ape_scale: float = 0.9  # APE's S
@@ -137,6 +139,10 @@ class AskOptions:
             raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if not 0 <= self.max_joins <= MAX_TOP_K:
+            raise ValueError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
+        if self.backend == "vllm" and (self.rescore or self.max_joins):
+            raise ValueError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
         if self.backend == "vllm" and self.method != "pced":
             raise ValueError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.sampling.temperature > 0:

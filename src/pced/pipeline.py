@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .answers import Answer, Step, answer_json
 from .decoding import Generation
@@ -53,13 +53,16 @@ class Asked:
         return self.generation.answer()
 
     def json(self) -> dict:
-        """The ``pced ask --json`` contract (DESIGN.md)."""
-        return answer_json(self.answer(), self.candidates, self.retrieval_s)
+        """The ``pced ask --json`` contract (DESIGN.md); experts that joined mid-answer come last."""
+        answer = self.answer()
+        return answer_json(answer, self.candidates + list(getattr(self.generation, "joined", [])), self.retrieval_s)
 
 
 def ask_candidates(engine, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
-                   retrieval_s: float = 0.0) -> Asked:
-    """Answer over given candidates with ``engine`` (a ``pced.engine.Engine``)."""
+                   retrieval_s: float = 0.0, retrieve: Callable[[str], list[Candidate]] | None = None) -> Asked:
+    """Answer over given candidates with ``engine`` (a ``pced.engine.Engine``). Decode-time
+    relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
+    (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
     rule = options.rule(engine.llm)
     candidates = list(candidates)
@@ -72,7 +75,8 @@ def ask_candidates(engine, candidates: Sequence[Candidate], question: str, optio
                                     question, rule, options.sampling)
     else:
         generation = make_generation(engine, options.method, candidates, question, rule, options.sampling,
-                                     options.ape_temperature, options.ape_scale, options.summary_tokens)
+                                     options.ape_temperature, options.ape_scale, options.summary_tokens,
+                                     follow_for(retrieve, engine, question, options))
     return Asked(question, candidates, retrieval_s, generation)
 
 
@@ -86,4 +90,20 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
     started = time.perf_counter()
     candidates = store.retrieve(question, options.retriever, top_k=options.top_k, top_n=options.top_n,
                                 rerank=options.rerank, reranker_path=options.reranker)
-    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started)
+
+    def again(query: str) -> list[Candidate]:  # the whole pool, for decode-time relevance
+        return store.retrieve(query, options.retriever, top_k=options.top_n, top_n=options.top_n,
+                              rerank=options.rerank, reranker_path=options.reranker)
+
+    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started, again)
+
+
+def follow_for(retrieve, engine, question: str, options: AskOptions):
+    """PCED's decode-time relevance for ``options`` (None when off or not PCED)."""
+    if options.method != "pced" or not (options.rescore or options.max_joins):
+        return None
+    if retrieve is None:
+        raise ValueError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
+    from .methods.follow import Follow
+
+    return Follow(question, retrieve, engine.load, options.top_k, options.rescore, options.max_joins)

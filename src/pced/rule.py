@@ -159,6 +159,20 @@ class ContrastiveRule:
         if not isinstance(config.beta, str):
             self.beta = torch.full((len(relevance),), float(config.beta))
 
+    def add_expert(self, relevance: float) -> None:
+        """An expert joins mid-answer (its row was appended last): a dynamic beta is computed at the
+        first step it takes part in, then frozen, as the others' were at theirs."""
+        self.relevance = torch.cat([self.relevance, self.relevance.new_tensor([relevance])])
+        if self.beta is not None and self.beta.dim() == 1:
+            value = float("nan") if self.config.beta == "dynamic" else float(self.config.beta)
+            self.beta = torch.cat([self.beta, self.beta.new_tensor([value])])
+
+    def set_relevance(self, relevance: torch.Tensor) -> None:
+        """Decode-time relevance: new r_k for the experts, from the next step on."""
+        if relevance.shape != self.relevance.shape:
+            raise ValueError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
+        self.relevance = relevance.float()
+
     def betas(self) -> list[float]:
         """One beta per expert (mean over the vocabulary for the element-wise variant's last step)."""
         if self.beta is None:
@@ -173,6 +187,10 @@ class ContrastiveRule:
         experts = to_score_space(logits[1:], self.config.score_space)
         if self.config.beta == "dynamic" and self.beta is None:
             self.beta = js_divergence(experts, amateur)
+        elif self.config.beta == "dynamic" and bool(torch.isnan(self.beta).any()):  # experts that joined mid-answer
+            pending = torch.isnan(self.beta)
+            self.beta = self.beta.clone()
+            self.beta[pending] = js_divergence(experts[pending.to(experts.device)], amateur).to(self.beta.device)
         elif self.config.beta == "elementwise":
             self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
         s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance)

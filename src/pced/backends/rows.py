@@ -100,12 +100,70 @@ class ExpertRows(CachedRows):
             positions[row] = prefix_len + length + torch.arange(suffix_len, device=device) - pad
             valid[row, prefix_len + longest + pad : prefix_len + longest + suffix_len] = True
         self.cache, self.valid = cache, valid
+        self.layout = (prefix_len, longest, suffix_len)
         suffix_started = time.perf_counter()
         logits = self.forward(ids, positions)
         # The floor of PCED's time to first token: one suffix forward for all k+1 rows.
         self.timings["suffix_forward_s"] = time.perf_counter() - suffix_started
         self.position = positions[:, -1] + 1
         return logits
+
+
+    def join(self, kv: DocKV, generated: Sequence[int]) -> None:
+        """Add an expert row mid-answer for the document of ``kv``: its row holds prefix + document,
+        the question suffix and the tokens generated so far, computed for it alone, so it sees
+        exactly what a fresh run of that expert on the same text would. The next ``advance``
+        includes it. ``generated`` lists the answer's tokens; those already fed are used."""
+        prefix_len, longest, suffix_len = self.layout
+        fed = self.cache.length - (prefix_len + longest + suffix_len)
+        if len(generated) < fed:
+            raise ValueError(f"join: {fed} tokens were generated, {len(generated)} given")
+        if kv.n_tokens > longest:  # widen the document region for every row (masked for the others)
+            self._widen(prefix_len + longest, kv.n_tokens - longest)
+            longest = kv.n_tokens
+            self.layout = (prefix_len, longest, suffix_len)
+        device, model = self.llm.device, self.llm.model
+        tail = self.suffix_ids + list(generated[:fed])
+        single = BufferCache.allocate(model, 1, prefix_len + kv.n_tokens + len(tail))
+        single.key_buffer[:, 0, :, :prefix_len] = self.prefix.keys
+        single.value_buffer[:, 0, :, :prefix_len] = self.prefix.values
+        single.key_buffer[:, 0, :, prefix_len : prefix_len + kv.n_tokens] = kv.keys
+        single.value_buffer[:, 0, :, prefix_len : prefix_len + kv.n_tokens] = kv.values
+        single.set_length(prefix_len + kv.n_tokens)
+        start = prefix_len + kv.n_tokens
+        positions = torch.arange(start, start + len(tail), device=device)[None]
+        forward_slots(model, single, torch.ones(1, start + len(tail), dtype=torch.bool, device=device),
+                      torch.tensor([tail], device=device), positions)
+        # place it in the batch's columns: document at [P, P+L), suffix right-aligned, then the answer
+        capacity, length = self.cache.key_buffer.shape[3], self.cache.length
+        keys = torch.zeros_like(self.cache.key_buffer[:, :1])
+        values = torch.zeros_like(self.cache.value_buffer[:, :1])
+        valid = torch.zeros(1, capacity, dtype=torch.bool, device=device)
+        keys[:, :, :, :start] = single.key_buffer[:, :, :, :start]
+        values[:, :, :, :start] = single.value_buffer[:, :, :, :start]
+        valid[:, :start] = True
+        column = prefix_len + longest + suffix_len - len(self.suffix_ids)
+        keys[:, :, :, column:length] = single.key_buffer[:, :, :, start:]
+        values[:, :, :, column:length] = single.value_buffer[:, :, :, start:]
+        valid[:, column:length] = True
+        self.cache = BufferCache(torch.cat([self.cache.key_buffer, keys], dim=1),
+                                 torch.cat([self.cache.value_buffer, values], dim=1), length)
+        self.valid = torch.cat([self.valid, valid])
+        self.position = torch.cat([self.position, self.position.new_tensor([start + len(tail)])])
+        self.stats["experts"] = self.stats.get("experts", 0) + 1
+        self.stats["joined"] = self.stats.get("joined", 0) + 1
+        self.stats["context_tokens"] = self.stats.get("context_tokens", 0) + kv.n_tokens
+
+    def _widen(self, at: int, extra: int) -> None:
+        """Insert ``extra`` masked slots at column ``at`` of every row (positions are unchanged)."""
+        keys, values, valid = self.cache.key_buffer, self.cache.value_buffer, self.valid
+        gap = list(keys.shape)
+        gap[3] = extra
+        zeros = keys.new_zeros(gap)
+        self.cache = BufferCache(torch.cat([keys[:, :, :, :at], zeros, keys[:, :, :, at:]], dim=3),
+                                 torch.cat([values[:, :, :, :at], zeros, values[:, :, :, at:]], dim=3),
+                                 self.cache.length + extra)
+        self.valid = torch.cat([valid[:, :at], valid.new_zeros(len(valid), extra), valid[:, at:]], dim=1)
 
 
 class PlainRows(CachedRows):

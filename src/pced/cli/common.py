@@ -67,6 +67,12 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="PCED: keep at most this many experts (by relevance)")
     group.add_argument("--prune-margin", type=float, default=AskOptions.prune_margin,
                        help="PCED: drop experts whose prior gamma*log r is this many logits below the best one")
+    group.add_argument("--rescore", action="store_true", default=AskOptions.rescore,
+                       help="PCED: at each word boundary rank the documents again with the question plus the answer "
+                            "so far; an expert's r becomes the higher of the two")
+    group.add_argument("--max-joins", type=int, default=AskOptions.max_joins,
+                       help="PCED: documents that may join as experts mid-answer when the answer so far ranks them "
+                            f"in the top-k (default {AskOptions.max_joins}: off)")
 
 
 def add_backend_options(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +103,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
     Every value is checked here, before any model or store loads."""
     fields = {name: getattr(args, name) for name in ("method", "top_k", "top_n", "retriever", "reranker", "beta", "gamma",
                                                      "aggregation", "score_space", "paper_defaults", "max_experts",
-                                                     "prune_margin") if hasattr(args, name)}
+                                                     "prune_margin", "rescore", "max_joins") if hasattr(args, name)}
     if getattr(args, "no_rerank", False):
         fields["rerank"] = False
     if hasattr(args, "backend"):

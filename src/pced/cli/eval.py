@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 
+from ..evaluation.config import EvalConfig
 from ..options import AskOptions
 from .common import InputError, add_model_options
 
@@ -31,6 +32,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--relevance", default=None,
                    help="PCED only: take r_k from these retrievers for the same candidates (the paper's "
                         f"PCED-Sparse/-Dense/-ColBERT; default: --retriever's); {SWEEP_HELP}")
+    p.add_argument("--follow", default=None,
+                   help="PCED decode-time relevance: off, rescore, join, rescore+join (the answer so far ranks "
+                        f"the documents again; see README); {SWEEP_HELP}")
+    p.add_argument("--max-joins", type=int, default=EvalConfig.max_joins,
+                   help=f"experts that may join per answer with --follow join (default {EvalConfig.max_joins})")
     p.add_argument("--top-k", dest="top_k", default="8", help=f"experts / documents per question (default 8); {SWEEP_HELP}")
     p.add_argument("--top-n", dest="top_n", default="90", help="corpus setting: candidates retrieved before the cut (default 90)")
     p.add_argument("--beta", default=None, help=f"dynamic, elementwise or numbers; {SWEEP_HELP}")
@@ -130,6 +136,8 @@ def config_from(args: argparse.Namespace):
         max_doc_tokens=_int_option(args.max_doc_tokens, "--max-doc-tokens", 16),
         progress=not args.no_progress,
         backend=args.backend,
+        follow=None if args.follow is None else _items(args.follow, "--follow"),
+        max_joins=args.max_joins,
     )
 
 

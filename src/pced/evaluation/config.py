@@ -45,6 +45,8 @@ class EvalConfig:
     max_doc_tokens: int = 1024  # IndexSettings.max_doc_tokens
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
+    follow: Sequence[str] | None = None  # PCED decode-time relevance modes to sweep (None: off only)
+    max_joins: int = 2  # experts that may join per answer, in the modes with "join"
 
 
 def _fmt(value) -> str:
@@ -60,6 +62,13 @@ class RunConfig:
     retriever: str
     rule: RuleConfig | None = None
     relevance: str | None = None  # PCED only: the retriever r_k comes from, when not ``retriever``
+    follow: str | None = None  # PCED only: "rescore", "join" or "rescore+join" (None: off)
+    max_joins: int = 0
+
+    def ask_fields(self) -> dict:
+        """The AskOptions fields of the decode-time relevance mode."""
+        mode = self.follow or ""
+        return {"rescore": "rescore" in mode, "max_joins": self.max_joins if "join" in mode else 0}
 
     @property
     def key(self) -> str:
@@ -69,7 +78,9 @@ class RunConfig:
             parts += [f"beta={_fmt(r.beta)}", f"gamma={_fmt(r.gamma)}", f"agg={r.aggregation}",
                       f"space={r.score_space}"]
         parts += [f"k={self.top_k}", f"ret={self.retriever}"]
-        return "|".join(parts + ([f"rel={self.relevance}"] if self.relevance else []))
+        parts += [f"rel={self.relevance}"] if self.relevance else []
+        parts += [f"follow={self.follow}" + (f",joins={self.max_joins}" if "join" in self.follow else "")] if self.follow else []
+        return "|".join(parts)
 
     def settings(self) -> dict:
         out: dict = {}
@@ -77,7 +88,8 @@ class RunConfig:
             out.update(beta=self.rule.beta, gamma=self.rule.gamma,
                        aggregation=self.rule.aggregation, score_space=self.rule.score_space)
         out.update(top_k=self.top_k, retriever=self.retriever)
-        return {**out, "relevance": self.relevance} if self.relevance else out
+        out.update({"relevance": self.relevance} if self.relevance else {})
+        return {**out, **self.ask_fields()} if self.follow else out
 
 
 # --------------------------------------------------------------------------- validation
@@ -124,7 +136,19 @@ def validate(config: EvalConfig) -> EvalConfig:
             except (ValueError, TypeError) as exc:
                 raise EvalError(f"{option}: {exc}") from None
         sweeps[name] = values
-    return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, **sweeps)
+    from pced.methods.follow import MODES
+
+    follow = None if config.follow is None else list(dict.fromkeys(config.follow))
+    for mode in follow or []:
+        if mode not in MODES:
+            raise EvalError(f"--follow: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if follow == []:
+        raise EvalError("--follow is empty")
+    if follow and config.backend == "vllm" and set(follow) != {"off"}:
+        raise EvalError("--follow: decode-time relevance runs on the transformers backend only")
+    if not 1 <= config.max_joins <= 64:
+        raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
+    return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow, **sweeps)
 
 
 def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
@@ -137,9 +161,11 @@ def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
             if method != "pced":
                 grid.append(RunConfig(method, k, config.retriever))
                 continue
-            for beta, gamma, aggregation, space, relevance in product(*lists, config.relevance or [None]):
+            follows = [None if f == "off" else f for f in (config.follow or ["off"])]
+            for beta, gamma, aggregation, space, relevance, follow in product(*lists, config.relevance or [None], follows):
                 rule = RuleConfig(beta=beta, gamma=gamma, aggregation=aggregation, score_space=space)
-                grid.append(RunConfig(method, k, config.retriever, rule, relevance))
+                grid.append(RunConfig(method, k, config.retriever, rule, relevance, follow,
+                                      config.max_joins if follow else 0))
     return grid
 
 

@@ -108,6 +108,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def follow_label(row: dict) -> str:
+    """PCED's decode-time relevance of a row: off, rescore, join<=N or rescore+join<=N ("–" for baselines)."""
+    if row.get("method") != "pced":
+        return "–"
+    parts = (["rescore"] if row.get("rescore") else []) + ([f"join<={row['max_joins']}"] if row.get("max_joins") else [])
+    return "+".join(parts) or "off"
+
+
 def format_table(summary: dict) -> str:
     """A Markdown table shaped like the paper's: one row per config."""
     metric = summary.get("metric") or "score"
@@ -118,12 +126,13 @@ def format_table(summary: dict) -> str:
     settings = [s for s in SETTING_ORDER if s != "relevance" or any(r.get(s) for r in rows)]
     names = {"beta": "β", "gamma": "γ", "aggregation": "Aggregation", "score_space": "Score space",
              "top_k": "k", "retriever": "Retriever", "relevance": "Relevance"}
-    columns = ["Method", *(names[s] for s in settings), "n", metric, "TTFT (s)", "Total (s)"]
+    follows = any("rescore" in r or "max_joins" in r for r in rows)  # PCED's decode-time relevance swept
+    columns = ["Method", *(names[s] for s in settings), *(["Follow"] if follows else []), "n", metric, "TTFT (s)", "Total (s)"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         errors = f" ({row['errors']} errors)" if row.get("errors") else ""
         cells = [METHOD_NAMES.get(row["method"], row["method"]), *(_cell(row.get(s)) for s in settings),
-                 str(row["n"]), f"{row['score']:.1f}{errors}",
+                 *([follow_label(row)] if follows else []), str(row["n"]), f"{row['score']:.1f}{errors}",
                  *(f"{row[t]:.3f}" if row.get(t) is not None else "–" for t in ("ttft_s_median", "total_s_median"))]
         lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"

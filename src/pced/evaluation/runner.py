@@ -46,7 +46,8 @@ RUN_IDENTITY = ("dataset", "setting", "model", "max_new_tokens", "seed", "bge_m3
 
 
 def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
-                 candidates: list[Candidate], sampling, retrieval_s: float, backend: str = "transformers") -> dict:
+                 candidates: list[Candidate], sampling, retrieval_s: float, backend: str = "transformers",
+                 retrieve=None) -> dict:
     """Generate, score and describe one (example, config) pair as a results.jsonl record."""
     import torch
 
@@ -62,8 +63,9 @@ def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
     try:
         rule = {} if run.rule is None else {k: getattr(run.rule, k) for k in ("beta", "gamma", "aggregation", "score_space")}
         options = AskOptions(method=run.method, sampling=sampling, backend=backend if run.method == "pced" else "transformers",
-                             **rule)
-        answer = ask_candidates(engine, candidates, example.question, options).answer()
+                             **rule, **run.ask_fields())
+        asked = ask_candidates(engine, candidates, example.question, options, retrieve=retrieve if run.follow else None)
+        answer = asked.answer()
     except (ValueError, torch.cuda.OutOfMemoryError) as exc:  # e.g. "all" past the context window
         record["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return record
@@ -75,6 +77,9 @@ def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
         trace=[[step.text, step.doc_id] for step in answer.trace],
         beta=[round(b, 6) for b in answer.betas],
         stats=answer.stats)
+    joined = getattr(asked.generation, "joined", [])
+    if run.follow:
+        record["joined"] = [{"doc_id": c.document.id, "relevance": float(f"{c.relevance:.6g}")} for c in joined]
     record["timings"].update({k: round(v, 6) for k, v in answer.timings.items()})
     return record
 
@@ -176,7 +181,7 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             store.engine.store.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
             for run in runs:
                 record = evaluate_one(store.engine, dataset, example, run, lists[run.top_k, run.relevance],
-                                      sampling, retrieval_s, config.backend)
+                                      sampling, retrieval_s, config.backend, source.again(example))
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")
                 errors += "error" in record

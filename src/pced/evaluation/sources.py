@@ -56,12 +56,21 @@ class CandidateSource:
             lists.update({k: found[:k] for k in group})
         return lists
 
-    def _rank_own(self, example: Example) -> list[Candidate]:
+    def _rank_own(self, example: Example, query: str | None = None) -> list[Candidate]:
         from pced.retrieval.candidates import rank_given
 
         rows = list(dict.fromkeys(r for d in example.documents for r in self.rows.get(d.id, [])))
         # ties keep the example's document order
-        return rank_given(example.question, self.retriever, rows, self.store.documents, self.reranker)
+        return rank_given(query or example.question, self.retriever, rows, self.store.documents, self.reranker)
+
+    def again(self, example: Example):
+        """PCED's decode-time relevance ranks with ``query`` what the question's candidates came
+        from: the whole store (corpus setting) or the example's own paragraphs."""
+        if not self.corpus_mode:
+            return lambda query: self._rank_own(example, query)
+        return lambda query: self.store.retrieve(query, self.config.retriever, top_k=self.config.top_n,
+                                                 top_n=self.config.top_n, rerank=self.reranker is not None,
+                                                 reranker_path=self.config.reranker)
 
 
 def model_setting_of(config: EvalConfig, llm) -> str:

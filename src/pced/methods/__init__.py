@@ -27,13 +27,15 @@ def make_generation(
     ape_temperature: float = AskOptions.ape_temperature,
     ape_scale: float = AskOptions.ape_scale,
     summary_tokens: int = AskOptions.summary_tokens,
+    follow=None,
 ) -> Generation:
     """``method`` over ``candidates`` with ``engine`` (a ``pced.engine.Engine``); ``rule`` None is the
-    model family's rule (``pced.defaults.resolve_rule``)."""
+    model family's rule (``pced.defaults.resolve_rule``); ``follow`` (PCED only) is decode-time
+    relevance (``methods.follow``)."""
     check_method(method)
     texts = [c.document.render() for c in candidates]
     if method == "pced":
-        return engine.stream(candidates, question, rule, sampling)
+        return engine.stream(candidates, question, rule, sampling, follow)
     if method in ("all", "single"):
         from .concat import PlainGeneration
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 from ..answers import Answer, SamplingConfig
 from ..backends.rows import ExpertRows
 from ..decoding import ContrastiveScoring, Generation
+from ..documents import Candidate
 from ..defaults import resolve_rule
 from ..kvstore import DocKV
 from ..llm import LoadedModel
 from ..rule import RuleConfig
+from .follow import Follow
 
 
 @dataclass
@@ -36,6 +40,7 @@ class PCEDGeneration(Generation):
         amateur_suffix_ids: Sequence[int] | None = None,
         rule: RuleConfig | None = None,
         sampling: SamplingConfig = SamplingConfig(),
+        follow: Follow | None = None,
     ):
         experts = list(experts)
         rows = ExpertRows(llm, prefix, [e.load for e in experts], suffix_ids, amateur_suffix_ids, sampling.max_new_tokens)
@@ -43,6 +48,29 @@ class PCEDGeneration(Generation):
                                      [e.doc_id for e in experts], [e.relevance for e in experts])
         super().__init__(rows, scoring, llm, sampling, method="pced", amateur_only=not experts)
         self.experts = experts
+        self.follow = follow
+        self.base_relevance = [e.relevance for e in experts]  # from the question alone
+        self.joined: list[Candidate] = []  # candidates that joined mid-answer, in order
+
+    def between_tokens(self) -> None:
+        if self.follow is None or not self.follow.active:
+            return
+        rule = self.scoring.rule
+        relevance, joining = self.follow.look(self.tracker.text, self.scoring.doc_ids, self.base_relevance,
+                                              rule.relevance.tolist())
+        if relevance is not None:
+            rule.set_relevance(torch.tensor(relevance))
+        if joining is not None:
+            self.rows.join(self.follow.load(joining), self.tracker.ids)
+            self.scoring.doc_ids.append(joining.document.id)
+            rule.add_expert(joining.relevance)
+            self.base_relevance.append(joining.relevance)
+            self.joined.append(joining)
+            self.amateur_only = False
+        self.stats["looks"] = self.follow.looks
+
+    def step_relevance(self) -> list[float] | None:
+        return None if self.follow is None else self.scoring.rule.relevance.tolist()
 
 
 def generate(*args, **kwargs) -> Answer:

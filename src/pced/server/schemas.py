@@ -85,6 +85,8 @@ class PcedOptions(Strict):
     score_space: ScoreSpace | None = AskOptions.score_space
     max_experts: int | None = AskOptions.max_experts
     prune_margin: float | None = AskOptions.prune_margin
+    rescore: bool = AskOptions.rescore
+    max_joins: int = AskOptions.max_joins
 
 
 class SamplingOptions(Strict):
@@ -218,7 +220,8 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
     try:
         options = AskOptions(method=pced.method, top_k=pced.top_k, top_n=pced.top_n, retriever=pced.retriever,
                              rerank=pced.rerank, beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation,
-                             score_space=pced.score_space, max_experts=pced.max_experts, prune_margin=pced.prune_margin)
+                             score_space=pced.score_space, max_experts=pced.max_experts, prune_margin=pced.prune_margin,
+                             rescore=pced.rescore, max_joins=pced.max_joins)
     except ValueError as exc:
         raise RequestError(str(exc), "pced") from None
     candidates = _candidates(documents, limits) if documents is not None else None

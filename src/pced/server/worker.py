@@ -110,9 +110,10 @@ class Worker:
         return {"name": self.backend, "max_concurrent": self.limits.max_concurrent, **self.engine.counters}
 
     def submit(self, job: Job) -> Run:
-        if self.backend == "vllm" and job.options.method == "pced":
-            try:
-                job = replace(job, options=replace(job.options, backend="vllm", vllm=self.vllm))
+        options = job.options
+        if self.backend == "vllm" and options.method == "pced" and not (options.rescore or options.max_joins):
+            try:  # decode-time relevance stays on the transformers lane
+                job = replace(job, options=replace(options, backend="vllm", vllm=self.vllm))
             except ValueError as exc:  # what the vLLM backend refuses (sampling)
                 raise RequestError(str(exc), "temperature", "unsupported_value") from None
         lane = job.options.backend

@@ -96,3 +96,31 @@ def test_damaged_or_foreign_cache_files_give_clear_errors(tiny_llm, tmp_path):
     (tmp_path / "kvstore.json").write_text("{not json")
     with pytest.raises(CacheError, match="damaged"):
         KVStore(tmp_path, tiny_llm, builder, "float32")
+
+
+def test_rows_without_padding_take_the_causal_path_with_the_same_logits(tiny_llm):
+    """No [q, total] mask where every slot is real: the logits and the cache equal the masked path's."""
+    from pced.cache import BufferCache, additive_mask, forward_slots
+
+    ids = torch.tensor([list(range(5, 45))])
+    positions = torch.arange(40)[None]
+    valid = torch.ones(1, 48, dtype=torch.bool)
+    runs = []
+    for masked in (False, True):
+        cache = BufferCache.allocate(tiny_llm.model, 1, 48)
+        if masked:  # the explicit-mask path, as padded rows take it
+            kwargs = {"attention_mask": additive_mask(valid, 0, 40, cache.key_buffer.dtype)}
+            with torch.inference_mode():
+                logits = tiny_llm.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                                        **kwargs).logits[:, -1]
+                step = tiny_llm.model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[40]]),
+                                      past_key_values=cache, use_cache=True,
+                                      attention_mask=additive_mask(valid, 40, 1, cache.key_buffer.dtype)).logits[:, -1]
+        else:
+            logits = forward_slots(tiny_llm.model, cache, valid, ids, positions)
+            step = forward_slots(tiny_llm.model, cache, valid, torch.tensor([[7]]), torch.tensor([[40]]))
+        runs.append((logits, step, cache.key_buffer[:, :, :, :41].clone()))
+    (fast, fast_step, fast_keys), (masked, masked_step, masked_keys) = runs
+    assert (fast - masked).abs().max().item() <= 1e-5
+    assert (fast_step - masked_step).abs().max().item() <= 1e-5
+    assert (fast_keys - masked_keys).abs().max().item() <= 1e-5

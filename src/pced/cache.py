@@ -2,9 +2,10 @@
 
 Row b of the batch owns a fixed buffer of ``capacity`` slots per layer. ``valid[b, j]`` says
 whether slot j holds a real token for row b; padding slots are masked out. Every forward
-passes explicit position ids and a 4-D additive mask built here, so rows may hold prompts of
-different lengths (padding in the middle of a row is fine) while every row sees exactly the
-positions and keys of its own sequential prompt.
+passes explicit position ids and, where some slot is padding, a 4-D additive mask built here, so
+rows may hold prompts of different lengths (padding in the middle of a row is fine) while every
+row sees exactly the positions and keys of its own sequential prompt. Where every slot is real
+(All, Single, the prefix and document encoders) no mask is built: attention is plain causal.
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def forward_slots(
     ``valid`` must already mark which of the new slots hold real tokens (left padding stays False).
     """
     start, query_length = cache.length, input_ids.shape[1]
-    mask = additive_mask(valid, start, query_length, cache.key_buffer.dtype)
+    if model_kwargs or not bool(valid[:, : start + query_length].all()):
+        mask = additive_mask(valid, start, query_length, cache.key_buffer.dtype)
+    else:  # every slot holds a real token: plain causal attention, with no [q, total] mask tensor
+        mask = None  # (the model's own mask builder; SDPA takes its is_causal path where it can)
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,

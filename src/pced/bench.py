@@ -22,6 +22,7 @@ from .answers import SamplingConfig
 from .bench_config import BenchConfig
 from .documents import Candidate, Document
 from .engine import Engine
+from .floor import copy_bandwidth, decode_floor_s, weight_bytes
 from .fs import atomic_write_json, atomic_write_text
 from .kvstore import KVStore
 from .llm import LoadedModel
@@ -72,7 +73,16 @@ def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: 
     return list(example.documents), example.question, list(example.gold_doc_ids)
 
 
-def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar) -> dict:
+def row_tokens(engine: Engine, method: str, lengths: list[int], question: str) -> list[int]:
+    """Tokens each row of ``method`` attends to at its first decode step (for the bandwidth floor)."""
+    builder = engine.builder
+    prefix, suffix = len(builder.prefix_ids), len(builder.suffix_ids(question))
+    if method == "pced":
+        return [prefix + len(builder.suffix_ids(question, with_context=False))] + [prefix + n + suffix for n in lengths]
+    return [prefix + sum(lengths) + suffix]  # all and APE: one row over every document
+
+
+def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar, bandwidth: float) -> dict:
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     # gold first, so every k includes the document that holds the answer
     docs.sort(key=lambda d: d.id not in gold)
@@ -111,6 +121,8 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
                 bar.update(cfg.repeats)
                 continue
             summary = {key: _median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], (int, float))}
+            lengths = [store.load(h).n_tokens for h in digests[:k]]
+            summary["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(engine, method, lengths, question), bandwidth)
             if cold_runs:
                 summary["ttft_cold_s"] = _median([r["ttft_s"] for r in cold_runs])
                 summary["cache_load_cold_s"] = _median([r["cache_load_s"] for r in cold_runs])
@@ -133,11 +145,14 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
         "cpu_count": os.cpu_count(),
         "lengths": [],
     }
+    bandwidth = copy_bandwidth(llm.device)
+    results["copy_bandwidth_gbs"] = bandwidth / 1e9
+    results["weight_bytes"] = weight_bytes(llm.model)
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
-            results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar))
+            results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar, bandwidth))
     results["storage"] = bench_storage(llm, cfg, root) if cfg.storage_dtypes else []
-    results["end_to_end"] = bench_end_to_end(llm, cfg, root) if cfg.long_new_tokens else None
+    results["end_to_end"] = bench_end_to_end(llm, cfg, root, bandwidth) if cfg.long_new_tokens else None
     if cfg.memory:
         results["memory"] = bench_memory(cfg, root)
     atomic_write_json(root / "bench.json", results)
@@ -169,7 +184,7 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
     return rows
 
 
-def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path) -> dict:
+def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path, bandwidth: float) -> dict:
     """A long answer (long_new_tokens) at the largest k where `all` still fits the window."""
     L = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), L, cfg.seed)
@@ -185,6 +200,10 @@ def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path) -> dict:
     out["pced"] = _run(start(engine, "pced", chosen, gold, question, sampling))
     if fitting:
         out["all"] = _run(start(engine, "all", chosen, gold, question, sampling))
+    lengths = [len(builder.context_ids([d.render()])) for d in chosen]
+    for method in ("pced", "all"):
+        if out.get(method):
+            out[method]["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(engine, method, lengths, question), bandwidth)
     return out
 
 
@@ -250,8 +269,18 @@ def _fmt(value, digits=3) -> str:
     return "n/a" if value is None or value != value else f"{value:.{digits}f}"
 
 
+def _decode(summary: dict) -> str:
+    """Decode time per token with its bandwidth floor: "0.0412 [0.0061]"."""
+    if not summary:
+        return _fmt(None)
+    floor = summary.get("decode_floor_s")
+    return _fmt(summary.get("decode_per_token_s"), 4) + (f" [{floor:.4f}]" if floor is not None else "")
+
+
 def markdown_report(results: dict) -> str:
-    lines = [f"Model {results['model']} on {results['device']} ({results['dtype']}, {results['threads']} threads); medians."]
+    lines = [f"Model {results['model']} on {results['device']} ({results['dtype']}, {results['threads']} threads); medians. "
+             f"Decode floors [in brackets]: bytes a step reads (weights {results['weight_bytes'] / 1e9:.2f} GB + each "
+             f"row's KV) / measured copy bandwidth {results['copy_bandwidth_gbs']:.1f} GB/s."]
     for length in results["lengths"]:
         s = length["storage"]
         lines += [
@@ -261,7 +290,7 @@ def markdown_report(results: dict) -> str:
             f"Indexing {s['documents']} documents ({s['tokens']} tokens): {s['index_s']:.1f} s; "
             f"{s['bytes_per_token']:.0f} bytes per document token on disk.",
             "",
-            "| k | context tokens | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) | all decode/token (s) | APE decode/token (s) |",
+            "| k | context tokens | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) [floor] | all decode/token (s) [floor] | APE decode/token (s) [floor] |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in length["rows"]:
@@ -271,8 +300,7 @@ def markdown_report(results: dict) -> str:
             lines.append(
                 f"| {row['k']} | {row['context_tokens']} | {_fmt(p.get('ttft_s'))} | {_fmt(p.get('ttft_cold_s'))} | "
                 f"{_fmt(p.get('suffix_forward_s'))} | {_fmt(floor_ratio, 2)} | {_fmt(a.get('ttft_s'))} | {_fmt(ratio, 1)} | "
-                f"{_fmt(e.get('ttft_s'))} | {_fmt(p.get('decode_per_token_s'), 4)} | {_fmt(a.get('decode_per_token_s'), 4)} | "
-                f"{_fmt(e.get('decode_per_token_s'), 4)} |"
+                f"{_fmt(e.get('ttft_s'))} | {_decode(p)} | {_decode(a)} | {_decode(e)} |"
             )
     lines += ["", "### Storage per dtype", "", "| dtype | bytes per document token | indexing tokens/s |", "|---|---|---|"]
     for row in results.get("storage", []):
@@ -280,11 +308,11 @@ def markdown_report(results: dict) -> str:
     e2e = results.get("end_to_end")
     if e2e:
         lines += ["", f"### End to end: k={e2e['k']}, L={e2e['doc_tokens']}, {e2e['new_tokens']} new tokens", "",
-                  "| method | TTFT (s) | total (s) | decode/token (s) |", "|---|---|---|---|"]
+                  "| method | TTFT (s) | total (s) | decode/token (s) [floor] |", "|---|---|---|---|"]
         for method in ("pced", "all"):
             if e2e.get(method):
                 m = e2e[method]
-                lines.append(f"| {method} | {m['ttft_s']:.3f} | {m['total_s']:.3f} | {m['decode_per_token_s']:.4f} |")
+                lines.append(f"| {method} | {m['ttft_s']:.3f} | {m['total_s']:.3f} | {_decode(m)} |")
     if results.get("memory"):
         lines += ["", "### Resident memory (fresh process per run)", "",
                   "| method | k | L | RSS before answer (MB) | peak during answer (MB) | extra for the answer (MB) | process peak (MB) |",

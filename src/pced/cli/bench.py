@@ -39,6 +39,13 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
+    p.add_argument("--random-model", default=None, metavar="SHAPE",
+                   help="time a random-weight model of this architecture instead: llama-3.1-8b, llama-3.2-1b, "
+                        "smollm2-135m, tiny, or a JSON file of LlamaConfig fields (built on the device in seconds; "
+                        "speed does not depend on the weights; no memory runs)")
+    p.add_argument("--tokenizer", default=None, help="with --random-model: a local tokenizer folder (default: embedded)")
+    p.add_argument("--device", default=None, help="with --random-model: cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="with --random-model: float32, bfloat16, float16 (default: auto)")
     add_backend_options(p)
     p.set_defaults(func=cmd_bench)
 
@@ -74,7 +81,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(open(f"{args.out}/bench_vllm.md").read())
         print(f"pced: wrote {args.out}/bench_vllm.json, bench_vllm.md and bench_vllm.png")
         return 0
-    llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")
+    if args.random_model is not None:
+        from dataclasses import replace
+
+        from ..random_model import random_model
+
+        if args.model is not None:
+            raise InputError("--model and --random-model are alternatives: give one")
+        try:
+            llm = random_model(args.random_model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                               seed=config.seed)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        config = replace(config, memory=False)  # the memory runs load the embedded model in a fresh process
+    else:
+        llm = load_model(args.model, device="cpu" if args.model is None else None,
+                         dtype="float32" if args.model is None else "auto")
     run_bench(llm, config)
     print(open(f"{args.out}/bench.md").read())
     print(f"pced: wrote {args.out}/bench.json, bench.md and bench.png")

@@ -1,0 +1,67 @@
+"""Random-weight models of named shapes and the bandwidth floor ``pced bench`` prints beside decode times."""
+
+import json
+
+import pytest
+import torch
+
+from pced.floor import copy_bandwidth, kv_bytes_per_token, step_bytes, weight_bytes
+from pced.random_model import SHAPES, random_model, shape_of
+
+from helpers.cli import run_pced
+
+
+def test_the_floor_counts_weights_once_and_each_rows_keys_and_values():
+    llm = random_model("tiny", device="cpu", dtype="float32")
+    config = llm.model.config
+    assert llm.model.config.vocab_size == len(llm.tokenizer)  # the vocabulary follows the tokenizer
+    hidden, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    head_dim, kv_heads = hidden // config.num_attention_heads, config.num_key_value_heads
+    per_layer = hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    untied = layers * per_layer + hidden + vocab * hidden  # the input embedding is not read whole by a step
+    assert weight_bytes(llm.model) == 4 * untied
+    assert kv_bytes_per_token(llm.model) == 2 * layers * kv_heads * head_dim * 4
+    assert step_bytes(llm.model, [10, 20]) == 4 * untied + 30 * kv_bytes_per_token(llm.model)
+    tied = random_model("smollm2-135m", device="cpu", dtype="bfloat16")
+    assert tied.model.lm_head.weight.data_ptr() == tied.model.model.embed_tokens.weight.data_ptr()
+    assert weight_bytes(tied.model) == 2 * sum(p.numel() for p in tied.model.parameters())  # tied: read once
+    assert sum(p.numel() for p in tied.model.parameters()) == pytest.approx(134.5e6, rel=1e-3)  # SmolLM2-135M's count
+    assert copy_bandwidth(torch.device("cpu"), megabytes=16, repeats=3) > 1e8
+
+
+def test_a_random_model_decodes_finite_logits_with_real_rotary_frequencies():
+    llm = random_model("tiny", device="cpu", dtype="float32", seed=3)
+    again = random_model("tiny", device="cpu", dtype="float32", seed=3)
+    rotary = llm.model.model.rotary_emb.inv_freq
+    assert rotary.dtype == torch.float32 and rotary[0] == 1.0 and bool((rotary[1:] < rotary[:-1]).all())
+    with torch.inference_mode():
+        logits = llm.model(torch.tensor([[1, 2, 3]])).logits
+        assert bool(torch.isfinite(logits).all())
+        assert torch.equal(logits, again.model(torch.tensor([[1, 2, 3]])).logits)  # seeded
+
+
+def test_shapes_by_name_or_json_and_a_clear_error_otherwise(tmp_path):
+    assert shape_of("llama-3.1-8b")[1]["num_key_value_heads"] == 8 and "tiny" in SHAPES
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "num_key_value_heads": 1}))
+    assert shape_of(str(config)) == ("mini", json.loads(config.read_text()))
+    with pytest.raises(ValueError, match="neither a known shape"):
+        shape_of("llama-9000")
+
+
+def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_path):
+    out = tmp_path / "bench"
+    result = run_pced("bench", "--random-model", "tiny", "--ks", "2", "--doc-tokens", "32", "--repeats", "1",
+                      "--new-tokens", "3", "--long-new-tokens", "4", "--storage-dtypes", "", "--no-cold",
+                      "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["model"] == "random tiny" and report["copy_bandwidth_gbs"] > 0 and "memory" not in report
+    row = report["lengths"][0]["rows"][0]
+    for method in ("pced", "all", "ape"):
+        assert 0 < row[method]["decode_floor_s"] < row[method]["decode_per_token_s"]
+    assert row["pced"]["decode_floor_s"] > row["all"]["decode_floor_s"]  # k+1 rows read the prefix and suffix again
+    assert "[" in (out / "bench.md").read_text()
+    bad = run_pced("bench", "--random-model", "llama-9000", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "neither a known shape" in bad.stderr and "Traceback" not in bad.stderr

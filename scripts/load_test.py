@@ -70,6 +70,8 @@ def start_server(args, backend: str) -> tuple[subprocess.Popen, str]:
                "--backend", backend]
     if args.model:
         command += ["--model", args.model]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
     env = dict(os.environ, **({"PCED_API_KEY": args.api_key} if args.api_key else {}))
     log = open(Path(args.out) / f"server-{backend}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -169,6 +171,7 @@ def summarize(records: list[dict], wall: float, args, health: dict, backend: str
 
     return {
         "settings": {"clients": args.clients, "questions_per_client": args.questions, "max_tokens": args.max_tokens,
+                     "server_threads": args.threads,
                      "top_k": args.top_k, "store": str(args.store) if not args.url else None, "url": args.url,
                      "streaming_clients": (args.clients + 1) // 2},
         "server": {"model": health.get("model"), "documents": health.get("documents"), "backend": backend,
@@ -192,7 +195,8 @@ def markdown(summary: dict) -> str:
         f"## pced serve --backend {summary['server']['backend']}",
         "",
         f"{s['clients']} concurrent clients x {s['questions_per_client']} questions on loopback "
-        f"({s['streaming_clients']} clients streaming), max_tokens {s['max_tokens']}, top_k {s['top_k']}; "
+        f"({s['streaming_clients']} clients streaming), max_tokens {s['max_tokens']}, top_k {s['top_k']}, "
+        f"server --threads {s.get('server_threads') or 'default'}; "
         f"model {summary['server']['model']}, {summary['server']['documents']} documents; "
         f"{summary['machine']['cpus']} CPUs.",
         "",
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--out", default="runs/load_test")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--threads for the servers started here (default: pced's own, half the cores)")
     parser.add_argument("--backend", action="append", choices=["transformers", "vllm"], default=None,
                         help="server backend to load-test (repeatable; default transformers); ignored with --url")
     args = parser.parse_args(argv)

@@ -65,3 +65,5 @@ def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_pa
     assert "[" in (out / "bench.md").read_text()
     bad = run_pced("bench", "--random-model", "llama-9000", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "neither a known shape" in bad.stderr and "Traceback" not in bad.stderr
+    engine = run_pced("bench", "--random-model", "tiny", "--backend", "vllm", "--out", str(tmp_path / "bad"))
+    assert engine.returncode == 2 and "use --model with --backend vllm" in engine.stderr

@@ -51,13 +51,11 @@ def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, settings: VLLMSettings = 
     docs.sort(key=lambda d: d.id not in gold)  # gold first, so every k includes the answer
     engine = bench_engine(llm, root, doc_tokens, cfg.storage_dtype)
     engine.store.add([d.render() for d in docs], progress=False)
-    started = time.perf_counter()
     vllm.warm_up(engine.builder, [d.render() for d in docs])
-    warm_up_s = time.perf_counter() - started
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
     results = {"config": asdict(cfg), "vllm": asdict(settings), "model": llm.name, "device": str(llm.device),
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens,
-               "engine_start_s": vllm.start_s, "warm_up_s": warm_up_s, "latency": [], "throughput": []}
+               "engine_start_s": vllm.start_s, "warm_up_s": vllm.warm_up_s, "latency": [], "throughput": []}
 
     def answer(backend: str, k: int) -> dict:
         return _run(ask_candidates(engine, candidates[:k], question, _options(cfg, backend, settings)).generation)

@@ -87,15 +87,14 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
         from .backends.vllm.engine import shared_engine
 
         shared_engine(store.llm.path, options.vllm)
+
+    def rank(query: str, top_k: int = options.top_n) -> list[Candidate]:  # default: the whole pool (decode-time relevance)
+        return store.retrieve(query, options.retriever, top_k=top_k, top_n=options.top_n, rerank=options.rerank,
+                              reranker_path=options.reranker)
+
     started = time.perf_counter()
-    candidates = store.retrieve(question, options.retriever, top_k=options.top_k, top_n=options.top_n,
-                                rerank=options.rerank, reranker_path=options.reranker)
-
-    def again(query: str) -> list[Candidate]:  # the whole pool, for decode-time relevance
-        return store.retrieve(query, options.retriever, top_k=options.top_n, top_n=options.top_n,
-                              rerank=options.rerank, reranker_path=options.reranker)
-
-    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started, again)
+    candidates = rank(question, options.top_k)
+    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started, rank)
 
 
 def follow_for(retrieve, engine, question: str, options: AskOptions):

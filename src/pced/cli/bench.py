@@ -67,20 +67,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
                          storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out,
                          concurrency=args.concurrency)
-    if args.backend == "vllm":
-        try:
-            settings = vllm_settings_from(args)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
-        from ..backends.vllm.engine import shared_engine
-        from ..bench_vllm import run_vllm_bench
-
-        llm = load_model(args.model, device="cpu" if args.model is None else None, dtype="float32" if args.model is None else "auto")
-        shared_engine(llm.path, settings)  # before anything imports the retrieval libraries (vLLM 0.32 scans them)
-        run_vllm_bench(llm, config, settings)
-        print(open(f"{args.out}/bench_vllm.md").read())
-        print(f"pced: wrote {args.out}/bench_vllm.json, bench_vllm.md and bench_vllm.png")
-        return 0
     if args.random_model is not None:
         from dataclasses import replace
 
@@ -88,6 +74,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if args.model is not None:
             raise InputError("--model and --random-model are alternatives: give one")
+        if args.backend == "vllm":
+            raise InputError("--random-model is built in memory; vLLM loads a model folder: use --model with --backend vllm")
         try:
             llm = random_model(args.random_model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                seed=config.seed)
@@ -97,6 +85,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         llm = load_model(args.model, device="cpu" if args.model is None else None,
                          dtype="float32" if args.model is None else "auto")
+    if args.backend == "vllm":
+        try:
+            settings = vllm_settings_from(args)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        from ..backends.vllm.engine import shared_engine
+        from ..bench_vllm import run_vllm_bench
+
+        shared_engine(llm.path, settings)  # before anything imports the retrieval libraries (vLLM 0.32 scans them)
+        run_vllm_bench(llm, config, settings)
+        print(open(f"{args.out}/bench_vllm.md").read())
+        print(f"pced: wrote {args.out}/bench_vllm.json, bench_vllm.md and bench_vllm.png")
+        return 0
     run_bench(llm, config)
     print(open(f"{args.out}/bench.md").read())
     print(f"pced: wrote {args.out}/bench.json, bench.md and bench.png")

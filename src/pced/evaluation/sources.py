@@ -50,9 +50,7 @@ class CandidateSource:
         for k in ks:  # one retrieval per candidate pool size; smaller k are its prefixes
             by_pool.setdefault(max(self.config.top_n, k), []).append(k)
         for top_n, group in by_pool.items():
-            found = self.store.retrieve(example.question, self.config.retriever, top_k=max(group),
-                                        top_n=top_n, rerank=self.reranker is not None,
-                                        reranker_path=self.config.reranker)
+            found = self._retrieve(example.question, max(group), top_n)
             lists.update({k: found[:k] for k in group})
         return lists
 
@@ -68,9 +66,12 @@ class CandidateSource:
         from: the whole store (corpus setting) or the example's own paragraphs."""
         if not self.corpus_mode:
             return lambda query: self._rank_own(example, query)
-        return lambda query: self.store.retrieve(query, self.config.retriever, top_k=self.config.top_n,
-                                                 top_n=self.config.top_n, rerank=self.reranker is not None,
-                                                 reranker_path=self.config.reranker)
+        return lambda query: self._retrieve(query, self.config.top_n, self.config.top_n)
+
+    def _retrieve(self, query: str, top_k: int, top_n: int) -> list[Candidate]:
+        """The store's ranking of ``query`` with this run's retriever and reranker."""
+        return self.store.retrieve(query, self.config.retriever, top_k=top_k, top_n=top_n,
+                                   rerank=self.reranker is not None, reranker_path=self.config.reranker)
 
 
 def model_setting_of(config: EvalConfig, llm) -> str:

@@ -95,11 +95,9 @@ class Worker:
             from ..backends.vllm.engine import shared_engine
 
             self.engine = shared_engine(self.store.llm.path, self.vllm)
-            report["engine_start_s"] = self.engine.start_s
-            started = time.perf_counter()
             report["warm_up_tokens"] = self.engine.warm_up(self.store.engine.builder,
                                                            [d.render() for d in self.store.documents])
-            report["warm_up_s"] = time.perf_counter() - started
+            report.update(engine_start_s=self.engine.start_s, warm_up_s=self.engine.warm_up_s)
         self.store.engine.store.prefix()
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report

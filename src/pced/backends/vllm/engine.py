@@ -77,6 +77,7 @@ class VLLMEngine:
                                            enable_prefix_caching=True, **settings.engine_args()))
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "degraded_steps": 0, "warm_up_tokens": 0}
+        self.warm_up_s = 0.0
         self._lock = threading.Lock()
 
     def count(self, **values: int) -> None:
@@ -84,11 +85,13 @@ class VLLMEngine:
             for name, value in values.items():
                 self.counters[name] += value
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence, tag: str | None = None) -> Collector:
-        """Queue the requests (ids ``<tag>-<i>``); the returned collector fills in as the engine steps."""
+    def submit(self, prompts: Sequence[list[int]], params: Sequence, tag: str | None = None,
+               on_tokens=None) -> Collector:
+        """Queue the requests (ids ``<tag>-<i>``); the returned collector fills in as the engine steps
+        (``on_tokens``: see ``Collector``)."""
         tag = tag or uuid.uuid4().hex
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
-        collector = Collector(ids)
+        collector = Collector(ids, on_tokens)
         self.loop.submit(ids, prompts, params, collector)
         return collector
 
@@ -108,9 +111,11 @@ class VLLMEngine:
 
     def warm_up(self, builder: PromptBuilder, documents: Sequence[str]) -> int:
         """Prefill prefix + document for every document once, so questions find them cached;
-        returns the prompt tokens computed."""
+        returns the prompt tokens computed (the time it took: ``warm_up_s``)."""
+        started = time.perf_counter()
         prompts = [builder.prefix_ids + builder.context_ids([d]) for d in documents]
         self.prefill(prompts)
+        self.warm_up_s = time.perf_counter() - started
         tokens = sum(map(len, prompts))
         self.count(warm_up_tokens=tokens)
         return tokens
@@ -152,22 +157,22 @@ class EngineRows:
                                  stop=list(self.sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                                  extra_args=GroupMember(self.group, member, self.relevance, self.rule).to_args())
                   for member in range(len(self.prompts))]
-        self.collector = self.engine.submit(self.prompts, params, tag=self.group)
-        self.collector.on_tokens = self._check_member
+        self.collector = self.engine.submit(self.prompts, params, tag=self.group, on_tokens=self._check_member)
         return self._wait()
 
     def advance(self, token: int) -> torch.Tensor:
         self.step += 1
         return self._wait()
 
-    def _check_member(self, request_id: str, new: list[int]) -> None:
-        """On the engine thread: the processor made this step's state; every member must follow it."""
+    def _check_member(self, request_id: str, got: list[int]) -> RuntimeError | None:
+        """On the engine thread, from the group's first output on: the processor made this step's
+        state; every member must follow its tape."""
         if self.state is None:
             self.state = GROUPS.get(self.group)
         tape = self.state.tape if self.state is not None else []
-        got = self.collector.tokens[request_id]
         if got != tape[: len(got)]:
-            self.collector.error = RuntimeError(f"pced group {self.group}: the rows of one question emitted different tokens")
+            return RuntimeError(f"pced group {self.group}: the rows of one question emitted different tokens")
+        return None
 
     def _wait(self) -> torch.Tensor:
         self.collector.wait(lambda: len(self.tokens) > self.step)

@@ -111,14 +111,17 @@ class EngineLoop:
 class Collector:
     """A sink that keeps each request's token ids and wakes a waiting thread on every change."""
 
-    def __init__(self, request_ids: Sequence[str]):
+    def __init__(self, request_ids: Sequence[str],
+                 on_tokens: Callable[[str, list[int]], BaseException | None] | None = None):
         self.ids = list(request_ids)
         self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
         self.cached: dict[str, int] = {}
         self.finished: set[str] = set()
         self.error: BaseException | None = None
         self._changed = threading.Condition()
-        self.on_tokens: Callable[[str, list[int]], None] | None = None  # called on the engine thread
+        # called on the engine thread with a request's id and all its tokens so far, whenever they
+        # grow; an exception it returns stops the waiting thread (it is raised there)
+        self.on_tokens = on_tokens
 
     def __call__(self, output) -> None:
         with self._changed:
@@ -132,7 +135,7 @@ class Collector:
                 if output.finished:
                     self.finished.add(output.request_id)
                 if self.on_tokens is not None and new:
-                    self.on_tokens(output.request_id, new)
+                    self.error = self.on_tokens(output.request_id, self.tokens[output.request_id]) or self.error
             self._changed.notify_all()
 
     @property

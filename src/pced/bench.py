@@ -20,15 +20,20 @@ from tqdm.auto import tqdm
 
 from .answers import SamplingConfig
 from .bench_config import BenchConfig
+from .bench_report import markdown_report, plot
 from .documents import Candidate, Document
 from .engine import Engine
 from .floor import copy_bandwidth, decode_floor_s, weight_bytes
 from .fs import atomic_write_json, atomic_write_text
+from .kvpool import CacheTiers
 from .kvstore import KVStore
 from .llm import LoadedModel
 from .options import AskOptions
 from .pipeline import ask_candidates
 from .prompts import RAG_TEMPLATE, PromptBuilder
+
+
+RESIDENT_GB = 1024.0  # "keep everything": the bench's documents always fit a device that can run them
 
 
 def evict_from_page_cache(paths: list[Path]) -> None:
@@ -54,9 +59,10 @@ def _run(generation) -> dict:
     return t
 
 
-def bench_engine(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str) -> Engine:
+def bench_engine(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str,
+                 tiers: CacheTiers = CacheTiers()) -> Engine:
     """The engine over the bench's KV store for documents of ``doc_tokens`` tokens (RAG template)."""
-    return Engine(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype)
+    return Engine(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype, tiers)
 
 
 def start(engine: Engine, method: str, docs: list[Document], gold: list[str], question: str, sampling: SamplingConfig):
@@ -87,6 +93,10 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
     # gold first, so every k includes the document that holds the answer
     docs.sort(key=lambda d: d.id not in gold)
     engine = bench_engine(llm, root, doc_tokens, cfg.storage_dtype)
+    # the same store with every cache kept on the model's device (pced.kvpool): PCED's TTFT with
+    # resident caches, the floor of what --gpu-cache-gb buys
+    resident = bench_engine(llm, root, doc_tokens, cfg.storage_dtype, CacheTiers(gpu_cache_gb=RESIDENT_GB)) \
+        if cfg.resident else None
     store, builder = engine.store, engine.builder
     started = time.perf_counter()
     digests = store.add([d.render() for d in docs], progress=False)
@@ -108,11 +118,15 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
         context_tokens = len(builder.prompt_ids([d.render() for d in chosen], question))
         row = {"k": k, "doc_tokens": doc_tokens, "context_tokens": context_tokens}
         for method in cfg.methods:
-            runs, cold_runs = [], []
+            runs, cold_runs, resident_runs = [], [], []
+            if method == "pced" and resident is not None:  # fill the pool with this k's documents (not timed)
+                list(start(resident, method, chosen, gold, question, sampling))
             for _ in range(cfg.repeats):
                 if method == "all" and llm.max_context and context_tokens + cfg.new_tokens > llm.max_context:
                     break
                 runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
+                if method == "pced" and resident is not None:
+                    resident_runs.append(_run(start(resident, method, chosen, gold, question, sampling)))
                 if method == "pced" and cfg.cold:
                     evict_from_page_cache(chosen_files)
                     cold_runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
@@ -124,9 +138,10 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
             summary = {key: _median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], (int, float))}
             summary["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(engine, method, doc_lengths[:k], question),
                                                        bandwidth)
-            if cold_runs:
-                summary["ttft_cold_s"] = _median([r["ttft_s"] for r in cold_runs])
-                summary["cache_load_cold_s"] = _median([r["cache_load_s"] for r in cold_runs])
+            for name, extra in (("resident", resident_runs), ("cold", cold_runs)):
+                if extra:
+                    summary[f"ttft_{name}_s"] = _median([r["ttft_s"] for r in extra])
+                    summary[f"cache_load_{name}_s"] = _median([r["cache_load_s"] for r in extra])
             row[method] = summary
         rows.append(row)
     return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows}
@@ -264,94 +279,3 @@ def memory_probe(method: str, k: int, doc_tokens: int, root: str, storage_dtype:
 def _rss_mb() -> float:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _fmt(value, digits=3) -> str:
-    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
-
-
-def _decode(summary: dict) -> str:
-    """Decode time per token with its bandwidth floor: "0.0412 [0.0061]"."""
-    if not summary:
-        return _fmt(None)
-    floor = summary.get("decode_floor_s")
-    return _fmt(summary.get("decode_per_token_s"), 4) + (f" [{floor:.4f}]" if floor is not None else "")
-
-
-def markdown_report(results: dict) -> str:
-    lines = [f"Model {results['model']} on {results['device']} ({results['dtype']}, {results['threads']} threads); medians. "
-             f"Decode floors [in brackets]: bytes a step reads (weights {results['weight_bytes'] / 1e9:.2f} GB + each "
-             f"row's KV) / measured copy bandwidth {results['copy_bandwidth_gbs']:.1f} GB/s."]
-    for length in results["lengths"]:
-        s = length["storage"]
-        lines += [
-            "",
-            f"### L = {length['doc_tokens']} tokens per document",
-            "",
-            f"Indexing {s['documents']} documents ({s['tokens']} tokens): {s['index_s']:.1f} s; "
-            f"{s['bytes_per_token']:.0f} bytes per document token on disk.",
-            "",
-            "| k | context tokens | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) [floor] | all decode/token (s) [floor] | APE decode/token (s) [floor] |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in length["rows"]:
-            p, a, e = row.get("pced") or {}, row.get("all") or {}, row.get("ape") or {}
-            ratio = a.get("ttft_s") / p["ttft_s"] if a and p else None
-            floor_ratio = p["ttft_s"] / p["suffix_forward_s"] if p else None
-            lines.append(
-                f"| {row['k']} | {row['context_tokens']} | {_fmt(p.get('ttft_s'))} | {_fmt(p.get('ttft_cold_s'))} | "
-                f"{_fmt(p.get('suffix_forward_s'))} | {_fmt(floor_ratio, 2)} | {_fmt(a.get('ttft_s'))} | {_fmt(ratio, 1)} | "
-                f"{_fmt(e.get('ttft_s'))} | {_decode(p)} | {_decode(a)} | {_decode(e)} |"
-            )
-    lines += ["", "### Storage per dtype", "", "| dtype | bytes per document token | indexing tokens/s |", "|---|---|---|"]
-    for row in results.get("storage", []):
-        lines.append(f"| {row['dtype']} | {row['bytes_per_token']:.0f} | {row['tokens_per_s']:.0f} |")
-    e2e = results.get("end_to_end")
-    if e2e:
-        lines += ["", f"### End to end: k={e2e['k']}, L={e2e['doc_tokens']}, {e2e['new_tokens']} new tokens", "",
-                  "| method | TTFT (s) | total (s) | decode/token (s) [floor] |", "|---|---|---|---|"]
-        for method in ("pced", "all"):
-            if e2e.get(method):
-                m = e2e[method]
-                lines.append(f"| {method} | {m['ttft_s']:.3f} | {m['total_s']:.3f} | {_decode(m)} |")
-    if results.get("memory"):
-        lines += ["", "### Resident memory (fresh process per run)", "",
-                  "| method | k | L | RSS before answer (MB) | peak during answer (MB) | extra for the answer (MB) | process peak (MB) |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in results["memory"]:
-            if "error" in row:
-                lines.append(f"| {row['method']} | {row['k']} | {row['doc_tokens']} | error | {row['error']} |")
-            else:
-                lines.append(f"| {row['method']} | {row['k']} | {row['doc_tokens']} | {row['before_answer_rss_mb']:.0f} | "
-                             f"{row['answer_peak_rss_mb']:.0f} | {row['answer_extra_mb']:.0f} | {row['peak_rss_mb']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: dict, root: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttft, ax_decode) = plt.subplots(1, 2, figsize=(11, 4))
-    for length in results["lengths"]:
-        L = length["doc_tokens"]
-        for method, style in (("pced", "-o"), ("all", "--s"), ("ape", ":^")):
-            points = [(r["k"], r[method]) for r in length["rows"] if r.get(method)]
-            if not points:
-                continue
-            ks = [k for k, _ in points]
-            ax_ttft.plot(ks, [m["ttft_s"] for _, m in points], style, label=f"{method} L={L}")
-            ax_decode.plot(ks, [m["decode_per_token_s"] * 1000 for _, m in points], style, label=f"{method} L={L}")
-    for ax, title, unit in ((ax_ttft, "time to first token", "s"), (ax_decode, "decode time per token", "ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("documents k")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax_ttft.set_yscale("log")
-    fig.suptitle(f"{results['model']} on {results['device']}")
-    fig.tight_layout()
-    fig.savefig(root / "bench.png", dpi=120)
-    plt.close(fig)

@@ -16,10 +16,11 @@ class BenchConfig:
     repeats: int = 3
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     methods: tuple[str, ...] = ("pced", "all", "ape")
-    storage_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    storage_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "int8")
     long_new_tokens: int = 128  # end-to-end latency of a long answer at the largest k
     memory: bool = True  # peak resident memory of each method, each in a fresh process
     cold: bool = True  # also measure PCED with the cache files evicted from the page cache
+    resident: bool = True  # also measure PCED with every cache kept on the model's device (pced.kvpool)
     concurrency: tuple[int, ...] = (1, 4, 16)  # --backend vllm: questions answered at once
     out: str = "runs/bench"
     seed: int = 42

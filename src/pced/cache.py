@@ -95,14 +95,19 @@ def forward_slots(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     last_only: bool = True,
+    padded: bool | None = None,
     **model_kwargs,
 ) -> torch.Tensor:
     """Run ``input_ids [B, q]`` at the cache cursor; returns logits [B, V] (last position) or [B, q, V].
 
     ``valid`` must already mark which of the new slots hold real tokens (left padding stays False).
+    ``padded`` says whether any slot up to the new ones is padding, when the caller knows (rows
+    do): None reads it from ``valid``, a device-to-host sync that a GPU decode step should not pay.
     """
     start, query_length = cache.length, input_ids.shape[1]
-    if model_kwargs or not bool(valid[:, : start + query_length].all()):
+    if padded is None:
+        padded = not bool(valid[:, : start + query_length].all())
+    if model_kwargs or padded:
         mask = additive_mask(valid, start, query_length, cache.key_buffer.dtype)
     else:  # every slot holds a real token: plain causal attention, with no [q, total] mask tensor
         mask = None  # (the model's own mask builder; SDPA takes its is_causal path where it can)

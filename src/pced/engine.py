@@ -14,6 +14,7 @@ from typing import Sequence
 
 from .answers import Answer, SamplingConfig
 from .documents import Candidate
+from .kvpool import CacheTiers
 from .kvstore import DocKV, KVStore
 from .options import DEFAULT_STORAGE_DTYPE
 from .llm import LoadedModel, cache_root, load_model
@@ -35,12 +36,13 @@ class Engine:
         template: Template | str = "rag",
         kv_dir: str | os.PathLike | None = None,
         storage_dtype: str = DEFAULT_STORAGE_DTYPE,
+        tiers: CacheTiers = CacheTiers(),
     ):
         self.llm = llm if llm is not None else load_model()
         self.template = TEMPLATES[template] if isinstance(template, str) else template
         self.builder = PromptBuilder(self.llm.tokenizer, self.template)
         kv_dir = kv_dir if kv_dir is not None else default_kv_dir(self.llm, self.template, storage_dtype)
-        self.store = KVStore(kv_dir, self.llm, self.builder, storage_dtype)
+        self.store = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers)
 
     def experts(self, candidates: Sequence[Candidate], progress: bool = False) -> list[Expert]:
         """Experts for the candidates, encoding (and storing) any document not cached yet."""

@@ -22,7 +22,6 @@ import os
 import struct
 import warnings
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +30,10 @@ from tqdm.auto import tqdm
 
 from .cache import BufferCache, forward_slots
 from .fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
-from .llm import DTYPES, LoadedModel
-from .options import DEFAULT_STORAGE_DTYPE
+from .kvdata import DocKV
+from .kvpool import CacheTiers
+from .llm import LoadedModel
+from .options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 from .prompts import PromptBuilder
 
 FORMAT_VERSION = 1
@@ -40,18 +41,6 @@ FORMAT_VERSION = 1
 
 class CacheError(RuntimeError):
     """A stored cache that cannot be used: built for another model/template, or damaged."""
-
-
-@dataclass
-class DocKV:
-    """One segment's cache: keys/values [layers, kv_heads, tokens, head_dim]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return self.keys.shape[2]
 
 
 def content_hash(context_text: str) -> str:
@@ -81,8 +70,9 @@ def encode_documents(llm: LoadedModel, prefix: DocKV, documents: list[list[int]]
     prefix_len, longest = prefix.n_tokens, max(len(ids) for ids in documents)
     batch = len(documents)
     cache = BufferCache.allocate(llm.model, batch, prefix_len + longest)
-    cache.key_buffer[:, :, :, :prefix_len] = prefix.keys[:, None].to(cache.key_buffer.dtype)
-    cache.value_buffer[:, :, :, :prefix_len] = prefix.values[:, None].to(cache.value_buffer.dtype)
+    keys, values = prefix.on(llm.device)
+    cache.key_buffer[:, :, :, :prefix_len] = keys[:, None]
+    cache.value_buffer[:, :, :, :prefix_len] = values[:, None]
     cache.set_length(prefix_len)
     valid = torch.ones(batch, prefix_len + longest, dtype=torch.bool, device=llm.device)
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
@@ -95,8 +85,8 @@ def encode_documents(llm: LoadedModel, prefix: DocKV, documents: list[list[int]]
     return [_kv_from_cache(cache, row, prefix_len, prefix_len + len(doc)) for row, doc in enumerate(documents)]
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_NUMPY_CARRIER = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8}
+_NUMPY_CARRIER = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8}
 
 
 def mmap_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -160,9 +150,17 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
     n_tokens = int(meta.get("n_tokens", -1))
     if keys.shape[2] != n_tokens or (expected_tokens is not None and n_tokens != expected_tokens):
         raise CacheError(f"cache file {path} has {keys.shape[2]} tokens, its metadata says {n_tokens}; {fix}")
-    if verify and "checksum" in meta and tensor_checksum([keys, values]) != meta["checksum"]:
+    kv = DocKV(keys=keys, values=values, key_scale=tensors.get("key_scale"), value_scale=tensors.get("value_scale"))
+    layers, heads, tokens, head_dim = keys.shape
+    int8 = identity.get("storage_dtype") == "int8"
+    if int8 != (keys.dtype == torch.int8) or (int8 and (
+            kv.key_scale is None or kv.value_scale is None
+            or tuple(kv.key_scale.shape) != (layers, heads, 1, head_dim)
+            or tuple(kv.value_scale.shape) != (layers, heads, tokens, 1))):
+        raise CacheError(f"cache file {path} does not have the tensors of a {identity.get('storage_dtype')} cache; {fix}")
+    if verify and "checksum" in meta and tensor_checksum(list(kv.tensors().values())) != meta["checksum"]:
         raise CacheError(f"cache file {path} is damaged: its bytes do not match its checksum; {fix}")
-    return DocKV(keys=keys, values=values), meta
+    return kv, meta
 
 
 def verify_cache_dir(root: Path, remove: bool = False) -> dict:
@@ -180,7 +178,7 @@ def verify_cache_dir(root: Path, remove: bool = False) -> dict:
         report["checked"] += 1
         try:
             kv, meta = check_cache_file(path, identity, digest)
-            if not (torch.isfinite(kv.keys).all() and torch.isfinite(kv.values).all()):
+            if not all(bool(torch.isfinite(t).all()) for t in kv.tensors().values()):
                 raise CacheError(f"cache file {path} holds non-finite values (NaN or infinity)")
             report["without_checksum"] += "checksum" not in meta
         except CacheError as exc:
@@ -195,9 +193,9 @@ class KVStore:
     """A directory of per-document caches for one (model, tokenizer, template, storage dtype)."""
 
     def __init__(self, root: str | os.PathLike, llm: LoadedModel, builder: PromptBuilder,
-                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, verify: bool = True):
-        if storage_dtype not in DTYPES:
-            raise ValueError(f"storage dtype must be one of {', '.join(DTYPES)}, got {storage_dtype!r}")
+                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, verify: bool = True, tiers: CacheTiers = CacheTiers()):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
         self.root = Path(root)
         self.llm, self.builder = llm, builder
         self.storage_dtype = storage_dtype
@@ -214,6 +212,9 @@ class KVStore:
         self._prefix: DocKV | None = None
         self.last_encoded = 0
         self.verify = verify  # check each cache's checksum when it is loaded (about 3 GB/s)
+        # the device tier (pced.kvpool): None on a CPU model without --gpu-cache-gb (mapped caches go
+        # straight into the batch buffer)
+        self.pool = tiers.pool_for(llm.device, next(llm.model.parameters()).dtype)
 
     # -- identity -------------------------------------------------------------------------
     def _check_or_create_manifest(self) -> None:
@@ -234,7 +235,7 @@ class KVStore:
 
     def _metadata(self, content: str, kv: DocKV) -> dict[str, str]:
         meta = {k: str(v) for k, v in self.identity.items()}
-        meta.update(content_hash=content, n_tokens=str(kv.n_tokens), checksum=tensor_checksum([kv.keys, kv.values]))
+        meta.update(content_hash=content, n_tokens=str(kv.n_tokens), checksum=tensor_checksum(list(kv.tensors().values())))
         return meta
 
     # -- paths ----------------------------------------------------------------------------
@@ -252,6 +253,8 @@ class KVStore:
                 kv = encode_prefix(self.llm, self.builder.prefix_ids)
                 self._save(kv, "prefix", path)
             self._prefix = self._read(path, "prefix", len(self.builder.prefix_ids))
+            if self.pool is not None:  # every question reads it: keep it on the device, outside the budget
+                self._prefix = self._prefix.dense(self.pool.device, self.pool.dtype, self.pool.staging)
         return self._prefix
 
     # -- documents ------------------------------------------------------------------------
@@ -297,14 +300,17 @@ class KVStore:
         sweep_temporaries(self.root / "kv", "*/")
 
     def _save(self, kv: DocKV, digest: str, path: Path) -> None:
-        stored = DocKV(kv.keys.to("cpu", DTYPES[self.storage_dtype]), kv.values.to("cpu", DTYPES[self.storage_dtype]))
-        atomic_save_tensors(path, {"keys": stored.keys, "values": stored.values}, self._metadata(digest, stored))
+        stored = kv.stored_as(self.storage_dtype)
+        atomic_save_tensors(path, stored.tensors(), self._metadata(digest, stored))
 
     def load(self, digest: str) -> DocKV:
-        """A document's cache, memory-mapped from disk (the tensors are read-only views of the file)."""
+        """A document's cache: memory-mapped from disk (read-only views of the file), or, with a device
+        tier, dense on the model's device (from the pool when it holds it)."""
         path = self.path_for(digest)
         if not path.is_file():
             raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
+        if self.pool is not None:
+            return self.pool.get(digest, lambda: self._read(path, digest, None))
         return self._read(path, digest, None)
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:

@@ -225,12 +225,14 @@ class APERows(CachedRows):
             )
         capacity = prefix_len + total + suffix_len + self.max_new_tokens
         cache = BufferCache.allocate(self.llm.model, 1, capacity)
-        cache.key_buffer[:, 0, :, :prefix_len] = self.prefix.keys
-        cache.value_buffer[:, 0, :, :prefix_len] = self.prefix.values
+        keys, values = self.prefix.on(self.llm.device)
+        cache.key_buffer[:, 0, :, :prefix_len] = keys
+        cache.value_buffer[:, 0, :, :prefix_len] = values
         slot = prefix_len
         for kv in caches:
-            cache.key_buffer[:, 0, :, slot : slot + kv.n_tokens] = kv.keys
-            cache.value_buffer[:, 0, :, slot : slot + kv.n_tokens] = kv.values
+            keys, values = kv.on(self.llm.device)
+            cache.key_buffer[:, 0, :, slot : slot + kv.n_tokens] = keys
+            cache.value_buffer[:, 0, :, slot : slot + kv.n_tokens] = values
             slot += kv.n_tokens
         cache.set_length(slot)
         valid = torch.zeros(1, capacity, dtype=torch.bool, device=device)

@@ -35,9 +35,10 @@ class CachedRows:
         self.cache: BufferCache | None = None
         self.valid: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
+        self.padded: bool | None = None  # whether any row has masked slots (None: read it from valid)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return forward_slots(self.llm.model, self.cache, self.valid, ids, positions)
+        return forward_slots(self.llm.model, self.cache, self.valid, ids, positions, padded=self.padded)
 
     def advance(self, token: int) -> torch.Tensor:
         ids = torch.full((len(self.position), 1), token, device=self.position.device)
@@ -76,15 +77,17 @@ class ExpertRows(CachedRows):
         capacity = prefix_len + longest + suffix_len + self.max_new_tokens
         # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
         cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)
-        cache.key_buffer[:, :, :, :prefix_len] = self.prefix.keys[:, None]
-        cache.value_buffer[:, :, :, :prefix_len] = self.prefix.values[:, None]
+        keys, values = self.prefix.on(device)
+        cache.key_buffer[:, :, :, :prefix_len] = keys[:, None]
+        cache.value_buffer[:, :, :, :prefix_len] = values[:, None]
         valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         valid[:, :prefix_len] = True
         for row, length in enumerate(lengths):
             end = prefix_len + length
             if row:
-                cache.key_buffer[:, row, :, prefix_len:end] = caches[row - 1].keys
-                cache.value_buffer[:, row, :, prefix_len:end] = caches[row - 1].values
+                keys, values = caches[row - 1].on(device)
+                cache.key_buffer[:, row, :, prefix_len:end] = keys
+                cache.value_buffer[:, row, :, prefix_len:end] = values
             cache.key_buffer[:, row, :, end : prefix_len + longest] = 0
             cache.value_buffer[:, row, :, end : prefix_len + longest] = 0
             valid[row, prefix_len:end] = True
@@ -101,6 +104,8 @@ class ExpertRows(CachedRows):
             valid[row, prefix_len + longest + pad : prefix_len + longest + suffix_len] = True
         self.cache, self.valid = cache, valid
         self.layout = (prefix_len, longest, suffix_len)
+        # the amateur row holds no document: with any expert some slots are masked; without one, none are
+        self.padded = longest > 0 or len(self.amateur_suffix_ids) < suffix_len
         suffix_started = time.perf_counter()
         logits = self.forward(ids, positions)
         # The floor of PCED's time to first token: one suffix forward for all k+1 rows.
@@ -125,10 +130,10 @@ class ExpertRows(CachedRows):
         device, model = self.llm.device, self.llm.model
         tail = self.suffix_ids + list(generated[:fed])
         single = BufferCache.allocate(model, 1, prefix_len + kv.n_tokens + len(tail))
-        single.key_buffer[:, 0, :, :prefix_len] = self.prefix.keys
-        single.value_buffer[:, 0, :, :prefix_len] = self.prefix.values
-        single.key_buffer[:, 0, :, prefix_len : prefix_len + kv.n_tokens] = kv.keys
-        single.value_buffer[:, 0, :, prefix_len : prefix_len + kv.n_tokens] = kv.values
+        for (keys, values), (start, end) in ((self.prefix.on(device), (0, prefix_len)),
+                                             (kv.on(device), (prefix_len, prefix_len + kv.n_tokens))):
+            single.key_buffer[:, 0, :, start:end] = keys
+            single.value_buffer[:, 0, :, start:end] = values
         single.set_length(prefix_len + kv.n_tokens)
         start = prefix_len + kv.n_tokens
         positions = torch.arange(start, start + len(tail), device=device)[None]
@@ -149,6 +154,7 @@ class ExpertRows(CachedRows):
         self.cache = BufferCache(torch.cat([self.cache.key_buffer, keys], dim=1),
                                  torch.cat([self.cache.value_buffer, values], dim=1), length)
         self.valid = torch.cat([self.valid, valid])
+        self.padded = True  # the joined row's suffix is right-aligned after masked slots
         self.position = torch.cat([self.position, self.position.new_tensor([start + len(tail)])])
         self.stats["experts"] = self.stats.get("experts", 0) + 1
         self.stats["joined"] = self.stats.get("joined", 0) + 1
@@ -181,6 +187,7 @@ class PlainRows(CachedRows):
         self.cache = BufferCache.allocate(self.llm.model, 1, length + self.max_new_tokens)
         self.valid = torch.zeros(1, length + self.max_new_tokens, dtype=torch.bool, device=device)
         self.valid[:, :length] = True
+        self.padded = False  # one prompt, every slot real: SDPA's causal path
         self.timings["cache_load_s"] = time.perf_counter() - started
         self.stats.update(context_tokens=length)
         ids = torch.tensor([self.prompt_ids], device=device)

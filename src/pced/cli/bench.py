@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench_config import BenchConfig
+from ..options import STORAGE_DTYPES
 from .common import add_backend_options
 
 DEFAULTS = BenchConfig()
@@ -32,10 +33,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--long-new-tokens", type=int, default=DEFAULTS.long_new_tokens,
                    help="tokens for the end-to-end run (0: skip it)")
     p.add_argument("--storage-dtypes", default=joined(DEFAULTS.storage_dtypes), help="dtypes for the storage table ('' to skip)")
-    p.add_argument("--storage-dtype", choices=["float16", "bfloat16", "float32"], default=DEFAULTS.storage_dtype)
+    p.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULTS.storage_dtype,
+                   help=f"how the timed runs' caches are stored (default {DEFAULTS.storage_dtype})")
     p.add_argument("--concurrency", type=_ints, default=DEFAULTS.concurrency,
                    help=f"--backend vllm: questions answered at once (default {joined(map(str, DEFAULTS.concurrency))})")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
+    p.add_argument("--no-resident", action="store_true", help="skip the runs with caches resident on the device")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
@@ -61,11 +64,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.new_tokens < 2 or args.long_new_tokens < 0:
         raise InputError("--repeats must be >= 1 and --new-tokens >= 2")
     dtypes = tuple(d for d in args.storage_dtypes.split(",") if d)
-    if not set(dtypes) <= {"float16", "bfloat16", "float32"}:
-        raise InputError("--storage-dtypes must be a subset of float16,bfloat16,float32")
+    if not set(dtypes) <= set(STORAGE_DTYPES):
+        raise InputError(f"--storage-dtypes must be a subset of {','.join(STORAGE_DTYPES)}")
     config = BenchConfig(ks=args.ks, storage_dtypes=dtypes, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
                          new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
-                         storage_dtype=args.storage_dtype, cold=not args.no_cold, memory=not args.no_memory, out=args.out,
+                         storage_dtype=args.storage_dtype, cold=not args.no_cold, resident=not args.no_resident, memory=not args.no_memory, out=args.out,
                          concurrency=args.concurrency)
     if args.random_model is not None:
         from dataclasses import replace

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 from ..options import check_question
-from .common import InputError, add_backend_options, add_decoding_options, add_model_options, ask_options_from
+from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, ask_options_from,
+                     tiers_from)
 
 
 def add_generate_parser(sub) -> None:
@@ -52,11 +53,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     candidates = read_scored_documents(Path(args.docs))
     check_question(args.question)
     options = ask_options_from(args)
+    tiers = tiers_from(args)
     from ..engine import Engine
     from ..llm import load_model
     from ..pipeline import ask_candidates
 
-    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype)
+    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype,
+                    tiers)
     asked = ask_candidates(engine, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))

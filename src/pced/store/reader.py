@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..documents import Candidate, Document
 from ..engine import Engine
+from ..kvpool import CacheTiers
 from ..llm import LoadedModel, load_model
 from ..options import AskOptions
 from .layout import DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
@@ -18,13 +19,15 @@ class DocumentStore:
     """Open with ``DocumentStore.open(dir)``; build or extend with ``pced.store.index_store``."""
 
     def __init__(self, root: Path, manifest: dict, documents: list[Document], llm: LoadedModel | None = None,
-                 engine: Engine | None = None):
-        self.root, self.manifest, self.documents = root, manifest, documents
+                 engine: Engine | None = None, tiers: CacheTiers = CacheTiers()):
+        self.root, self.manifest, self.documents, self.tiers = root, manifest, documents, tiers
         self.settings = IndexSettings(**manifest["settings"])
         self._llm, self._engine, self._retrievers, self._reranker = llm, engine, {}, None
 
     @classmethod
-    def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, engine: Engine | None = None) -> "DocumentStore":
+    def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, engine: Engine | None = None,
+             tiers: CacheTiers = CacheTiers()) -> "DocumentStore":
+        """``tiers``: where document caches are kept between questions (``--gpu-cache-gb``)."""
         from ..retrieval.base import load_doc_ids
         from ..retrieval.compose import index_dirs
 
@@ -40,7 +43,7 @@ class DocumentStore:
             raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
         if manifest.get("format") != FORMAT:
             raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
-        store = cls(root, manifest, documents, llm if llm is not None else getattr(engine, "llm", None), engine)
+        store = cls(root, manifest, documents, llm if llm is not None else getattr(engine, "llm", None), engine, tiers)
         if store._llm is not None:
             store.check_model(store._llm)
         ids = [d.id for d in documents]
@@ -68,7 +71,8 @@ class DocumentStore:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = Engine(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype)
+            self._engine = Engine(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype,
+                                  self.tiers)
         return self._engine
 
     def retriever(self, name: str = AskOptions.retriever):

@@ -1,0 +1,103 @@
+"""The memory tiers a document cache passes through on its way into a batch buffer.
+
+    disk (safetensors, memory-mapped)  ->  host page cache  ->  [pinned staging]  ->  device pool  ->  buffer
+
+``CacheTiers`` says how the upper two are used; ``DevicePool`` is the device tier: dense caches
+(dequantized, in the model's dtype) kept on the model's device under a byte budget, least
+recently used first out. A document asked about again is then copied device-to-device into the
+batch buffer instead of crossing the host link again. On a CUDA device the copies from the host
+go through ``PinnedStaging`` (page-locked buffers, non-blocking) whether or not a budget is set.
+On a CPU model a pool keeps dequantized copies in RAM (worth it for int8 stores only; off by default).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .kvdata import DocKV, PinnedStaging
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheTiers:
+    """Where document caches live between questions. Defaults written once, here."""
+
+    gpu_cache_gb: float = 0.0  # device-resident pool (GiB of dense caches, LRU); 0 = none
+    pinned_staging: bool = True  # CUDA: host-to-device copies through pinned buffers
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.gpu_cache_gb) or self.gpu_cache_gb < 0:
+            raise ValueError(f"gpu_cache_gb must be a finite number >= 0, got {self.gpu_cache_gb!r}")
+
+    def pool_for(self, device: torch.device | str, dtype: torch.dtype) -> "DevicePool | None":
+        """The device tier for a model on ``device``, or None where caches go straight from the mapping
+        to the buffer (a CPU model without a budget: today's zero-copy path)."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        if self.gpu_cache_gb == 0 and not cuda:
+            return None
+        staging = PinnedStaging() if cuda and self.pinned_staging else None
+        return DevicePool(device, dtype, int(self.gpu_cache_gb * GIB), staging)
+
+
+class DevicePool:
+    """Dense caches on one device under ``budget`` bytes, least recently used evicted first.
+
+    ``get(key, read)`` returns the cache of ``key`` on the device, reading it with ``read()`` (a
+    memory-mapped ``DocKV``, possibly int8) on a miss. A cache larger than the whole budget is
+    returned without being kept. Thread-safe: the server's threads share one pool.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, budget: int, staging: PinnedStaging | None = None):
+        self.device, self.dtype, self.budget, self.staging = torch.device(device), dtype, int(budget), staging
+        self._entries: OrderedDict[str, DocKV] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "bytes_from_host": 0}
+
+    def get(self, key: str, read: Callable[[], DocKV]) -> DocKV:
+        with self._lock:
+            kv = self._entries.get(key)
+            if kv is not None:
+                self._entries.move_to_end(key)
+                self.counters["hits"] += 1
+                return kv
+            self.counters["misses"] += 1
+            stored = read()
+            self.counters["bytes_from_host"] += stored.nbytes
+            kv = stored.dense(self.device, self.dtype, self.staging)
+            size = kv.nbytes
+            if 0 < size <= self.budget:
+                self._entries[key] = kv
+                self.bytes += size
+                while self.bytes > self.budget:
+                    _, old = self._entries.popitem(last=False)
+                    self.bytes -= old.nbytes
+                    self.counters["evictions"] += 1
+            return kv
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+    def stats(self) -> dict:
+        """For /health and the bench: budget, bytes held, entries and counters."""
+        return {"device": str(self.device), "budget_bytes": self.budget, "bytes": self.bytes,
+                "entries": len(self._entries), "pinned_staging": self.staging is not None, **self.counters}
+
+
+__all__ = ["CacheTiers", "DevicePool", "GIB"]

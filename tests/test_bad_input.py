@@ -48,6 +48,8 @@ def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     (["Who?", "--max-experts", "500"], "max_experts must be between"),
     (["Who?", "--method", "magic"], "unknown method"),
     (["Who?", "--threads", "0"], "--threads must be at least 1"),
+    (["Who?", "--no-repeat-ngram", "-1"], "no_repeat_ngram must be an integer >= 0"),
+    (["Who?", "--no-repeat-ngram", "3", "--backend", "vllm"], "--no-repeat-ngram is not supported with --backend vllm"),
     (["  "], "the question is empty"),
     (["Who?", "--backend", "vllm", "--kv-transfer-config", "/nonexistent/kv.json"], "not a readable JSON file"),
 ])

@@ -9,8 +9,8 @@ The loop knows two narrow things, both protocols here, so that methods and backe
 - ``Scoring``: from ``[R, V]`` logits to vocabulary scores and the row that won a token: the PCED
   rule (``ContrastiveScoring``) or plain next-token scores of one row (``PlainScoring``).
 
-Everything else, sampling, stop strings, EOS (and ``ignore_eos``), detokenization, the trace,
-timings, is done here once, for every method.
+Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the no-repeat n-gram ban,
+detokenization, the trace, timings, is done here once, for every method.
 """
 
 from __future__ import annotations
@@ -104,6 +104,20 @@ class ContrastiveScoring:
         return self.rule.betas()
 
 
+def ban_repeated_ngrams(scores: torch.Tensor, generated: Sequence[int], n: int) -> torch.Tensor:
+    """``scores`` [V] with -inf for every token that would complete an n-gram already in
+    ``generated`` (a new tensor; nothing else changes). ``generated`` is the answer's own tokens,
+    not the prompt: the loop sees only those for every method (PCED's rows hold different prompts,
+    the baselines' one), and repeating a phrase of the question is legitimate. transformers'
+    ``NoRepeatNGramLogitsProcessor`` does the matching."""
+    if n <= 0 or len(generated) < n:
+        return scores
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    ids = torch.tensor([list(generated)], dtype=torch.long, device=scores.device)
+    return NoRepeatNGramLogitsProcessor(n)(ids, scores[None].clone())[0]
+
+
 def pick_token(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """Greedy argmax (lowest id on ties), or a temperature / top-k / top-p draw."""
     if sampling.temperature <= 0:
@@ -158,6 +172,8 @@ class Generation:
             check_finite(logits, self.scoring)
             self.last_logits = logits
             scores, winner_of = self.scoring.scores(logits)
+            if self.sampling.no_repeat_ngram:  # after the rule: the winner still comes from the unbanned scores
+                scores = ban_repeated_ngrams(scores, self.tracker.ids, self.sampling.no_repeat_ngram)
             token = pick_token(scores, self.sampling, generator)
             winner = winner_of(token)
             if index == 0:

@@ -27,7 +27,7 @@ def is_embedded(model: object) -> bool:
 
 
 PAPER_RULE = RuleConfig(beta="dynamic", gamma=2.5, aggregation="max", score_space="logits")
-RULE_FIELDS = ("beta", "gamma", "aggregation", "score_space")
+RULE_FIELDS = ("beta", "gamma", "aggregation", "score_space", "prior")
 
 # model_type / name prefix -> overrides measured on our data (README "Results", "Defaults").
 # smollm2: gamma 32 instead of 2.5. With the embedded hybrid retriever one question's candidates
@@ -58,7 +58,8 @@ def model_family(model: object = None) -> str:
 
 def resolve_rule(model: object = None, paper: bool = False, **settings) -> RuleConfig:
     """The rule for ``model`` (see ``model_family``): the paper's, the family's measured overrides
-    unless ``paper``, then every setting given that is not None (beta, gamma, aggregation, score_space)."""
+    unless ``paper``, then every setting given that is not None (beta, gamma, aggregation, score_space,
+    prior)."""
     unknown = set(settings) - set(RULE_FIELDS)
     if unknown:
         raise TypeError(f"unknown rule settings: {', '.join(sorted(unknown))}")

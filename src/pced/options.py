@@ -21,7 +21,7 @@ from .rule import Beta, RuleConfig
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
 BACKENDS = ("transformers", "vllm")
-STORAGE_DTYPES = ("float16", "float32", "bfloat16")
+STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kvdata
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
 # and every question character is prefilled for every row).
@@ -123,6 +123,7 @@ class AskOptions:
     gamma: float | None = None  # None: the model family's rule (2.5 in the paper, 32 for SmolLM2)
     aggregation: str | None = None  # None: the model family's rule (max)
     score_space: str | None = None  # None: the model family's rule (logits)
+    prior: str | None = None  # None: the model family's rule (log: gamma*log r; or standardized within the question)
     paper_defaults: bool = False  # unset rule settings from the paper's rule, not the family's
     rescore: bool = False  # PCED: at word boundaries, r_k <- max(r_k, r_k against question + answer so far)
     max_joins: int = 0  # PCED: documents that may join as experts mid-answer (retrieved with question + answer)
@@ -147,6 +148,8 @@ class AskOptions:
             raise ValueError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.sampling.temperature > 0:
             raise ValueError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
+        if self.backend == "vllm" and self.sampling.no_repeat_ngram:
+            raise ValueError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
         if not 1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
         if not 1 <= self.top_n <= MAX_TOP_N:
@@ -159,9 +162,9 @@ class AskOptions:
             raise ValueError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
         if self.summary_tokens < 1:
             raise ValueError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
-        self.rule(None)  # a bad beta / gamma / aggregation / score space fails here, before any model loads
+        self.rule(None)  # a bad beta / gamma / aggregation / score space / prior fails here, before any model loads
 
     def rule(self, model: object = None) -> RuleConfig:
         """The rule for ``model`` (a loaded model or a ``--model`` setting; None = the embedded one)."""
         return resolve_rule(model, self.paper_defaults, beta=self.beta, gamma=self.gamma,
-                            aggregation=self.aggregation, score_space=self.score_space)
+                            aggregation=self.aggregation, score_space=self.score_space, prior=self.prior)

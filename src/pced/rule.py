@@ -6,15 +6,26 @@ and the expert that won it. Any engine (transformers here; llama.cpp or vLLM lat
 
 Per step, for every contextual expert k (after the optional log-softmax of ``score_space``)::
 
-    s_hat_k = (1 + beta_k) * s_k - beta_k * s0 + gamma * log(clip(r_k, 1e-8, 1 - 1e-8))
+    s_hat_k = (1 + beta_k) * s_k - beta_k * s0 + prior_k
+
+prior (``prior_term``; l_k = log(clip(r_k, 1e-8, 1 - 1e-8)) over the question's current experts):
+
+- ``log`` (paper): prior_k = gamma * l_k.
+- ``standardized``: prior_k = gamma * (l_k - max_j l_j) / max(std(l), SPREAD_FLOOR), std over the
+  experts (population): gamma logits per standard deviation below the best expert. Scale-free:
+  r -> c * r and r -> r**c (c > 0) leave it unchanged (inside the clip), so one gamma means the
+  same gate for BM25, dense, hybrid or reranker relevances, whose log r spreads differ by orders
+  of magnitude. Equal relevances (and a single expert) give 0: no gating. It is
+  recomputed from the current r every step, so decode-time relevance changes (``set_relevance``)
+  and experts that join (``add_expert``) re-standardize it.
 
 Aggregation into one vocabulary score ``a[v]`` (greedy picks argmax a, sampling draws from softmax(a/T)):
 
 - ``max`` (paper): a[v] = max_k s_hat_k[v]; the winner is the lowest k attaining a[token].
   Ties between tokens go to the lowest token id, between experts to the lowest expert index.
-- ``moe``: p_k = softmax(s_hat_k), w = softmax(gamma * log r) (i.e. w_k ∝ r_k^gamma);
-  a[v] = log sum_k w_k p_k[v]. (The gamma*log r_k shift of s_hat_k cancels inside a softmax,
-  so the prior enters through w.)
+- ``moe``: p_k = softmax(s_hat_k), w = softmax(prior) (with the log prior w_k ∝ r_k^gamma);
+  a[v] = log sum_k w_k p_k[v]. (The prior_k shift of s_hat_k cancels inside a softmax,
+  so the prior enters through w; both aggregations use the same ``prior_term``.)
 - ``poe``: a[v] = log_softmax(sum_k w_k log p_k[v]), the normalized weighted product.
   For moe/poe the winner is argmax_k w_k p_k[token], unless the amateur's own probability
   softmax(s0)[token] exceeds every p_k[token]: then the token owes more to the model prior than
@@ -42,6 +53,10 @@ AMATEUR = -1
 AGGREGATIONS = ("max", "moe", "poe")
 SCORE_SPACES = ("logits", "logprobs")
 BETA_MODES = ("dynamic", "elementwise")
+PRIORS = ("log", "standardized")
+# Standardized prior: the smallest spread of log r divided by. Differences below a thousandth of a
+# nat are rounding, not evidence; the narrowest retriever we measured (BM25) spreads ~0.08 nats.
+SPREAD_FLOOR = 1e-3
 
 Beta = Union[str, float]
 
@@ -54,6 +69,7 @@ class RuleConfig:
     gamma: float = 2.5
     aggregation: str = "max"
     score_space: str = "logits"
+    prior: str = "log"
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, str) and self.beta not in BETA_MODES:
@@ -64,6 +80,8 @@ class RuleConfig:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.score_space not in SCORE_SPACES:
             raise ValueError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
+        if self.prior not in PRIORS:
+            raise ValueError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
         if not math.isfinite(self.gamma) or self.gamma < 0:
             raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
 
@@ -83,8 +101,25 @@ def jsd_terms(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torc
     return torch.nan_to_num(terms, nan=0.0)
 
 
+def _clipped_log(relevance: torch.Tensor) -> torch.Tensor:
+    return torch.log(relevance.double().clamp(R_MIN, R_MAX))
+
+
 def log_prior(relevance: torch.Tensor) -> torch.Tensor:
-    return torch.log(relevance.double().clamp(R_MIN, R_MAX)).float()
+    return _clipped_log(relevance).float()
+
+
+def prior_term(relevance: torch.Tensor, gamma: float, mode: str = "log") -> torch.Tensor:
+    """The prior added to each expert's scores, [N] float32 on the relevance's device (see the
+    module docstring): gamma * log r (``log``), or gamma times log r standardized within the
+    question (``standardized``: 0 for the best expert, 0 for all when they are equally relevant)."""
+    if mode == "log":
+        return gamma * log_prior(relevance)
+    log_r = _clipped_log(relevance)
+    if log_r.numel() < 2:  # one expert: nothing to compare it with
+        return torch.zeros_like(log_r, dtype=torch.float32)
+    spread = log_r.std(correction=0).clamp_min(SPREAD_FLOOR)
+    return (gamma * (log_r - log_r.max()) / spread).float()
 
 
 def to_score_space(scores: torch.Tensor, space: str) -> torch.Tensor:
@@ -98,8 +133,10 @@ def calibrate(
     beta: torch.Tensor,
     gamma: float,
     relevance: torch.Tensor,
+    prior: str = "log",
 ) -> torch.Tensor:
-    """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N].
+    """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N];
+    ``prior`` is the mode of ``prior_term``.
 
     The result lives on the scores' device: beta and the prior follow them there (a CPU relevance
     vector beside CUDA logits is the normal case)."""
@@ -107,7 +144,7 @@ def calibrate(
     if beta.dim() == 1:
         beta = beta[:, None]
     contrast = (1.0 + beta) * expert_scores - beta * amateur_scores[None, :]
-    return contrast + gamma * log_prior(relevance).to(expert_scores.device)[:, None]
+    return contrast + prior_term(relevance, gamma, prior).to(expert_scores.device)[:, None]
 
 
 @dataclass
@@ -132,7 +169,7 @@ def aggregate(
             return int(torch.nonzero(column == column.max())[0, 0])
 
         return best, winner
-    weights = torch.softmax(config.gamma * log_prior(relevance), dim=0).to(s_hat.device)
+    weights = torch.softmax(prior_term(relevance, config.gamma, config.prior), dim=0).to(s_hat.device)
     log_p = torch.log_softmax(s_hat, dim=-1)
     if config.aggregation == "moe":
         scores = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)
@@ -193,7 +230,7 @@ class ContrastiveRule:
             self.beta[pending] = js_divergence(experts[pending.to(experts.device)], amateur).to(self.beta.device)
         elif self.config.beta == "elementwise":
             self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
-        s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance)
+        s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance, self.config.prior)
         self.last_s_hat = s_hat  # per-expert calibrated scores, for traces
         return aggregate(s_hat, amateur, self.relevance, self.config)
 

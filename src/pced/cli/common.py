@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 
 from ..answers import SamplingConfig
+from ..kvpool import CacheTiers
 from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions, VLLMSettings
-from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
+TIERS = CacheTiers()
 VLLM = VLLMSettings()
 
 
@@ -31,6 +33,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    group.add_argument("--gpu-cache-gb", type=float, default=TIERS.gpu_cache_gb,
+                       help="keep this many GiB of document caches on the model's device between questions (LRU; "
+                            f"default {TIERS.gpu_cache_gb:g}: none; on a CPU model the copies are kept in RAM)")
+
+
+def tiers_from(args: argparse.Namespace) -> CacheTiers:
+    """The cache tiers of --gpu-cache-gb, checked (the defaults where a subcommand has no such option)."""
+    try:
+        return CacheTiers(gpu_cache_gb=getattr(args, "gpu_cache_gb", TIERS.gpu_cache_gb))
+    except ValueError as exc:
+        raise InputError(f"--gpu-cache-gb: {exc}") from None
 
 
 def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +69,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--paper-defaults", action="store_true", help="unset settings from the paper's rule (gamma 2.5)")
     group.add_argument("--aggregation", choices=AGGREGATIONS, default=AskOptions.aggregation, help="max (the paper's), moe, poe")
     group.add_argument("--score-space", choices=SCORE_SPACES, default=AskOptions.score_space, help="logits (the paper's) or logprobs")
+    group.add_argument("--prior", choices=PRIORS, default=AskOptions.prior,
+                       help=f"the retrieval prior: log (gamma*log r, the paper's; default {RuleConfig.prior}) or standardized "
+                            "(gamma*(log r - best log r)/spread of the question's log r: one gamma for every retriever)")
     group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
     group.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy (default)")
     group.add_argument("--sample-top-k", dest="sample_top_k", type=int, default=SAMPLING.top_k,
@@ -63,6 +79,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sample-top-p", dest="top_p", type=float, default=SAMPLING.top_p, help="sampling: nucleus mass")
     group.add_argument("--seed", type=int, default=SAMPLING.seed)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=SAMPLING.no_repeat_ngram, metavar="N",
+                       help="never generate an n-gram of N tokens the answer already holds, after the rule, for every "
+                            f"method (default {SAMPLING.no_repeat_ngram}: off)")
     group.add_argument("--max-experts", type=int, default=AskOptions.max_experts,
                        help="PCED: keep at most this many experts (by relevance)")
     group.add_argument("--prune-margin", type=float, default=AskOptions.prune_margin,
@@ -102,7 +121,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
     """AskOptions from parsed options; a subcommand without retrieval options keeps those defaults.
     Every value is checked here, before any model or store loads."""
     fields = {name: getattr(args, name) for name in ("method", "top_k", "top_n", "retriever", "reranker", "beta", "gamma",
-                                                     "aggregation", "score_space", "paper_defaults", "max_experts",
+                                                     "aggregation", "score_space", "prior", "paper_defaults", "max_experts",
                                                      "prune_margin", "rescore", "max_joins") if hasattr(args, name)}
     if getattr(args, "no_rerank", False):
         fields["rerank"] = False
@@ -110,7 +129,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
         fields["backend"] = args.backend
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
-                                  top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                                  top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram)
         return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args))
     except ValueError as exc:
         raise InputError(str(exc)) from None
@@ -121,12 +140,13 @@ def open_store(args: argparse.Namespace):
     from ..llm import load_model
     from ..store import DocumentStore
 
-    store = DocumentStore.open(args.store)
+    tiers = tiers_from(args)
+    store = DocumentStore.open(args.store, tiers=tiers)
     if args.model is not None or args.device is not None or args.dtype != "auto":
         llm = load_model(args.model or store.settings.model_path, device=args.device, dtype=args.dtype)
-        store = DocumentStore.open(args.store, llm)
+        store = DocumentStore.open(args.store, llm, tiers=tiers)
     return store
 
 
 __all__ = ["InputError", "add_backend_options", "vllm_settings_from", "add_decoding_options", "add_model_options", "add_retrieval_options",
-           "ask_options_from", "open_store", "parse_beta"]
+           "ask_options_from", "open_store", "parse_beta", "tiers_from"]

@@ -10,8 +10,9 @@ import argparse
 import logging
 import math
 
+from ..answers import SamplingConfig
 from ..evaluation.config import EvalConfig
-from ..options import AskOptions
+from ..options import STORAGE_DTYPES, AskOptions
 from .common import InputError, add_model_options
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
@@ -43,6 +44,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--gamma", default=None, help=f"retrieval prior weight(s); {SWEEP_HELP}")
     p.add_argument("--aggregation", default=None, help=f"max, moe, poe; {SWEEP_HELP}")
     p.add_argument("--score-space", dest="score_space", default=None, help=f"logits, logprobs; {SWEEP_HELP}")
+    p.add_argument("--prior", default=None,
+                   help=f"log (gamma*log r, the paper's) or standardized (log r standardized within the question); {SWEEP_HELP}")
+    p.add_argument("--no-repeat-ngram", dest="no_repeat_ngram", default=None, metavar="N",
+                   help="every method: never repeat an n-gram of N tokens of the answer (0 = off; default "
+                        f"{SamplingConfig.no_repeat_ngram}); {SWEEP_HELP}")
     p.add_argument("--paper-defaults", action="store_true",
                    help="unset PCED settings from the paper's rule (default: the per-model-family defaults)")
     p.add_argument("--max-new-tokens", default="32", help="default 32")
@@ -53,7 +59,8 @@ def add_eval_parser(sub) -> None:
                    help="document store folder (default runs/stores/<dataset>-<setting>-<model>-<template>)")
     p.add_argument("--bge-m3", default=None, help="local BGE-M3: sparse/dense/ColBERT relevance (the paper's variants)")
     p.add_argument("--reranker", default=None, help="local cross-encoder / bge-reranker: rerank and fuse relevance")
-    p.add_argument("--storage-dtype", default="float16", help="KV cache dtype on disk: float16 (default), float32, bfloat16")
+    p.add_argument("--storage-dtype", default=EvalConfig.storage_dtype,
+                   help=f"KV cache dtype on disk: {', '.join(STORAGE_DTYPES)} (default {EvalConfig.storage_dtype})")
     p.add_argument("--max-doc-tokens", default="1024", help="longer documents are split into chunks (default 1024)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--backend", default=AskOptions.backend,
@@ -103,18 +110,23 @@ def config_from(args: argparse.Namespace):
     """EvalConfig from the command line; every value checked, nothing loaded."""
     from ..evaluation.config import EvalConfig
     from ..options import METHODS
-    from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+    from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 
     if args.setting not in (None, "distractor", "corpus"):
         raise InputError(f"--setting: {args.setting!r} is not one of distractor, corpus")
-    if args.storage_dtype not in ("float16", "float32", "bfloat16"):
-        raise InputError(f"--storage-dtype: {args.storage_dtype!r} is not one of float16, float32, bfloat16")
+    if args.storage_dtype not in STORAGE_DTYPES:
+        raise InputError(f"--storage-dtype: {args.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
     betas = None
     if args.beta is not None:
         betas = [b if b in BETA_MODES else _number(b, "--beta") for b in _items(args.beta, "--beta")]
     gammas = None if args.gamma is None else [_number(g, "--gamma") for g in _items(args.gamma, "--gamma")]
     if gammas and min(gammas) < 0:
         raise InputError(f"--gamma: values must be >= 0, got {min(gammas):g}")
+    nrngs = None
+    if args.no_repeat_ngram is not None:
+        nrngs = [_number(n, "--no-repeat-ngram", integer=True) for n in _items(args.no_repeat_ngram, "--no-repeat-ngram")]
+        if min(nrngs) < 0:
+            raise InputError(f"--no-repeat-ngram: values must be >= 0 (0 = off), got {min(nrngs)}")
     return EvalConfig(
         dataset=args.dataset,
         methods=_choices(args.methods, "--methods", METHODS),
@@ -127,6 +139,8 @@ def config_from(args: argparse.Namespace):
         beta=betas, gamma=gammas,
         aggregation=_choices(args.aggregation, "--aggregation", AGGREGATIONS),
         score_space=_choices(args.score_space, "--score-space", SCORE_SPACES),
+        prior=_choices(args.prior, "--prior", PRIORS),
+        no_repeat_ngram=nrngs,
         paper_defaults=args.paper_defaults,
         max_new_tokens=_int_option(args.max_new_tokens, "--max-new-tokens", 1),
         seed=_int_option(args.seed, "--seed", 0),

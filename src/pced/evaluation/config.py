@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Sequence
 
+from pced.answers import SamplingConfig
 from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 
@@ -32,6 +33,8 @@ class EvalConfig:
     gamma: Sequence[float] | None = None
     aggregation: Sequence[str] | None = None
     score_space: Sequence[str] | None = None
+    prior: Sequence[str] | None = None
+    no_repeat_ngram: Sequence[int] | None = None  # every method's runs (None: SamplingConfig's, off)
     paper_defaults: bool = False
     max_new_tokens: int = 32
     seed: int = 42
@@ -55,7 +58,7 @@ def _fmt(value) -> str:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One cell of the grid: a method, its rule (PCED only), top-k and retriever."""
+    """One cell of the grid: a method, its rule (PCED only), top-k, retriever and n-gram ban."""
 
     method: str
     top_k: int
@@ -64,6 +67,7 @@ class RunConfig:
     relevance: str | None = None  # PCED only: the retriever r_k comes from, when not ``retriever``
     follow: str | None = None  # PCED only: "rescore", "join" or "rescore+join" (None: off)
     max_joins: int = 0
+    no_repeat_ngram: int = SamplingConfig.no_repeat_ngram  # every method
 
     def ask_fields(self) -> dict:
         """The AskOptions fields of the decode-time relevance mode."""
@@ -72,23 +76,31 @@ class RunConfig:
 
     @property
     def key(self) -> str:
+        """Settings at their earlier-only values (log prior, no n-gram ban) are left out, so the keys
+        of runs made before those options existed still name the same runs."""
         parts = [self.method]
         if self.rule is not None:
             r = self.rule
             parts += [f"beta={_fmt(r.beta)}", f"gamma={_fmt(r.gamma)}", f"agg={r.aggregation}",
                       f"space={r.score_space}"]
+            parts += [f"prior={r.prior}"] if r.prior != "log" else []
         parts += [f"k={self.top_k}", f"ret={self.retriever}"]
         parts += [f"rel={self.relevance}"] if self.relevance else []
         parts += [f"follow={self.follow}" + (f",joins={self.max_joins}" if "join" in self.follow else "")] if self.follow else []
+        parts += [f"nrng={self.no_repeat_ngram}"] if self.no_repeat_ngram else []
         return "|".join(parts)
 
     def settings(self) -> dict:
+        """What the run sets; like ``key``, the log prior and an n-gram ban of 0 (what every earlier
+        record was decoded with) are left out, so old and new records of one run read alike."""
         out: dict = {}
         if self.rule is not None:
             out.update(beta=self.rule.beta, gamma=self.rule.gamma,
                        aggregation=self.rule.aggregation, score_space=self.rule.score_space)
+            out.update({"prior": self.rule.prior} if self.rule.prior != "log" else {})
         out.update(top_k=self.top_k, retriever=self.retriever)
         out.update({"relevance": self.relevance} if self.relevance else {})
+        out.update({"no_repeat_ngram": self.no_repeat_ngram} if self.no_repeat_ngram else {})
         return {**out, **self.ask_fields()} if self.follow else out
 
 
@@ -123,7 +135,7 @@ def validate(config: EvalConfig) -> EvalConfig:
         if getattr(config, name) < minimum:
             raise EvalError(f"--{name.replace('_', '-')} must be at least {minimum}")
     sweeps = {}
-    for name in ("beta", "gamma", "aggregation", "score_space"):
+    for name in ("beta", "gamma", "aggregation", "score_space", "prior"):
         values, option = getattr(config, name), "--" + name.replace("_", "-")
         if values is None:
             continue
@@ -136,6 +148,13 @@ def validate(config: EvalConfig) -> EvalConfig:
             except (ValueError, TypeError) as exc:
                 raise EvalError(f"{option}: {exc}") from None
         sweeps[name] = values
+    nrng = None if config.no_repeat_ngram is None else list(dict.fromkeys(config.no_repeat_ngram))
+    if nrng == []:
+        raise EvalError("--no-repeat-ngram is empty")
+    if any(isinstance(n, bool) or int(n) != n or n < 0 for n in nrng or []):
+        raise EvalError(f"--no-repeat-ngram values must be integers >= 0 (0 = off), got {config.no_repeat_ngram!r}")
+    if nrng and any(nrng) and config.backend == "vllm" and "pced" in methods:
+        raise EvalError("--no-repeat-ngram: the vllm backend decodes inside vLLM's sampler; use --backend transformers")
     from pced.methods.follow import MODES
 
     follow = None if config.follow is None else list(dict.fromkeys(config.follow))
@@ -148,24 +167,28 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--follow: decode-time relevance runs on the transformers backend only")
     if not 1 <= config.max_joins <= 64:
         raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
-    return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow, **sweeps)
+    return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow,
+                   no_repeat_ngram=None if nrng is None else [int(n) for n in nrng], **sweeps)
 
 
 def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
-    """PCED: the product of the sweep lists (unset ones from ``base``); baselines: top-k only."""
+    """PCED: the product of the sweep lists (unset ones from ``base``); baselines: top-k and the
+    n-gram ban only (it applies after the rule, in the loop every method shares)."""
     grid: list[RunConfig] = []
-    lists = [config.beta or [base.beta], config.gamma or [base.gamma],
-             config.aggregation or [base.aggregation], config.score_space or [base.score_space]]
+    lists = [config.beta or [base.beta], config.gamma or [base.gamma], config.aggregation or [base.aggregation],
+             config.score_space or [base.score_space], config.prior or [base.prior]]
+    nrngs = config.no_repeat_ngram or [SamplingConfig.no_repeat_ngram]
     for method in config.methods:
         for k in config.top_k:
             if method != "pced":
-                grid.append(RunConfig(method, k, config.retriever))
+                grid += [RunConfig(method, k, config.retriever, no_repeat_ngram=n) for n in nrngs]
                 continue
             follows = [None if f == "off" else f for f in (config.follow or ["off"])]
-            for beta, gamma, aggregation, space, relevance, follow in product(*lists, config.relevance or [None], follows):
-                rule = RuleConfig(beta=beta, gamma=gamma, aggregation=aggregation, score_space=space)
+            for beta, gamma, aggregation, space, prior, relevance, follow, n in product(
+                    *lists, config.relevance or [None], follows, nrngs):
+                rule = RuleConfig(beta=beta, gamma=gamma, aggregation=aggregation, score_space=space, prior=prior)
                 grid.append(RunConfig(method, k, config.retriever, rule, relevance, follow,
-                                      config.max_joins if follow else 0))
+                                      config.max_joins if follow else 0, n))
     return grid
 
 

@@ -19,14 +19,22 @@ __all__ = ["completed_pairs", "format_table", "read_results", "summarize", "writ
 
 METHOD_NAMES = {"pced": "PCED", "all": "Corpus in Ctx (All)", "single": "Corpus in Ctx (Single)",
                 "ape": "APE", "mapreduce": "MapReduce"}
-RULE_SETTINGS = ("beta", "gamma", "aggregation", "score_space")
-SETTING_ORDER = (*RULE_SETTINGS, "top_k", "retriever", "relevance")
-# plot file -> the setting it sweeps; top-k is drawn for every method, the others for PCED only
+RULE_SETTINGS = ("beta", "gamma", "aggregation", "score_space", "prior")
+SETTING_ORDER = (*RULE_SETTINGS, "top_k", "retriever", "relevance", "no_repeat_ngram")
+# Settings a record leaves out at the value every earlier record was decoded with (RunConfig.settings);
+# their table column only appears when a row sets them.
+IMPLIED = {"prior": "log", "no_repeat_ngram": 0}
+OPTIONAL_COLUMNS = ("relevance", *IMPLIED)
+# plot file -> the setting it sweeps; top-k and the n-gram ban are drawn for every method, the others for PCED only
 PLOTS = {"topk.png": "top_k", "beta.png": "beta", "gamma.png": "gamma",
-         "aggregation.png": "aggregation", "score_space.png": "score_space", "relevance.png": "relevance"}
-AXIS_LABELS = {"top_k": "top-k experts", "beta": "beta", "gamma": "gamma",
-               "aggregation": "aggregation", "score_space": "score space", "relevance": "relevance from"}
-SHORT_NAMES = {"aggregation": "agg", "score_space": "space", "top_k": "k", "retriever": "ret", "relevance": "rel"}
+         "aggregation.png": "aggregation", "score_space.png": "score_space", "prior.png": "prior",
+         "relevance.png": "relevance", "no_repeat_ngram.png": "no_repeat_ngram"}
+EVERY_METHOD = ("top_k", "no_repeat_ngram")
+AXIS_LABELS = {"top_k": "top-k experts", "beta": "beta", "gamma": "gamma", "aggregation": "aggregation",
+               "score_space": "score space", "prior": "prior", "relevance": "relevance from",
+               "no_repeat_ngram": "no-repeat n-gram (0 = off)"}
+SHORT_NAMES = {"aggregation": "agg", "score_space": "space", "top_k": "k", "retriever": "ret", "relevance": "rel",
+               "no_repeat_ngram": "nrng"}
 
 
 def read_results(path: Path) -> list[dict]:
@@ -100,6 +108,15 @@ def summarize(records: Sequence[dict], meta: dict) -> dict:
             "results": rows}
 
 
+def setting(row: dict, name: str) -> Any:
+    """A summary row's setting, with the implied value where its records leave it out (the prior
+    is PCED's only)."""
+    value = row.get(name)
+    if value is None and name in IMPLIED and (name != "prior" or row.get("method") == "pced"):
+        return IMPLIED[name]
+    return value
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "–"
@@ -123,15 +140,15 @@ def format_table(summary: dict) -> str:
             f"{summary.get('n_examples', 0)} examples; score = mean {metric} in percent; "
             "timings are medians in seconds.\n\n")
     rows = summary.get("results", [])
-    settings = [s for s in SETTING_ORDER if s != "relevance" or any(r.get(s) for r in rows)]
-    names = {"beta": "β", "gamma": "γ", "aggregation": "Aggregation", "score_space": "Score space",
-             "top_k": "k", "retriever": "Retriever", "relevance": "Relevance"}
+    settings = [s for s in SETTING_ORDER if s not in OPTIONAL_COLUMNS or any(r.get(s) for r in rows)]
+    names = {"beta": "β", "gamma": "γ", "aggregation": "Aggregation", "score_space": "Score space", "prior": "Prior",
+             "top_k": "k", "retriever": "Retriever", "relevance": "Relevance", "no_repeat_ngram": "No-repeat n-gram"}
     follows = any("rescore" in r or "max_joins" in r for r in rows)  # PCED's decode-time relevance swept
     columns = ["Method", *(names[s] for s in settings), *(["Follow"] if follows else []), "n", metric, "TTFT (s)", "Total (s)"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         errors = f" ({row['errors']} errors)" if row.get("errors") else ""
-        cells = [METHOD_NAMES.get(row["method"], row["method"]), *(_cell(row.get(s)) for s in settings),
+        cells = [METHOD_NAMES.get(row["method"], row["method"]), *(_cell(setting(row, s)) for s in settings),
                  *([follow_label(row)] if follows else []), str(row["n"]), f"{row['score']:.1f}{errors}",
                  *(f"{row[t]:.3f}" if row.get(t) is not None else "–" for t in ("ttft_s_median", "total_s_median"))]
         lines.append("| " + " | ".join(cells) + " |")
@@ -145,9 +162,9 @@ def _curve(rows: list[dict], parameter: str) -> tuple[list[tuple[Any, float]], d
     others = [s for s in SETTING_ORDER if s != parameter]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault(tuple(str(row.get(s)) for s in others), []).append(row)
+        groups.setdefault(tuple(str(setting(row, s)) for s in others), []).append(row)
     best = max(groups.values(), key=len, default=[])  # one row per value; max keeps the first of ties
-    return ([(r.get(parameter), r["score"]) for r in best], best[0]) if len(best) >= 2 else ([], {})
+    return ([(setting(r, parameter), r["score"]) for r in best], best[0]) if len(best) >= 2 else ([], {})
 
 
 def write_plots(summary: dict, out: Path) -> list[Path]:
@@ -162,7 +179,7 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
     written = []
     for name, parameter in PLOTS.items():
         found = {m: _curve([r for r in rows if r["method"] == m], parameter)
-                 for m in (methods if parameter == "top_k" else ["pced"])}
+                 for m in (methods if parameter in EVERY_METHOD else ["pced"])}
         curves = {m: points for m, (points, _) in found.items() if points}
         if not curves:
             continue
@@ -184,9 +201,10 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
         elif not numeric:
             ax.set_xticks(range(len(labels)), labels)
         scores = [p[1] for c in curves.values() for p in c]
-        if parameter != "top_k":  # baselines at the same top-k, for scale
+        if parameter not in EVERY_METHOD:  # baselines at the same top-k, for scale
             for row in rows:
-                if row["method"] != "pced" and all(row.get(s) == reference.get(s) for s in ("top_k", "retriever")):
+                if row["method"] != "pced" and all(setting(row, s) == setting(reference, s)
+                                                   for s in ("top_k", "retriever", "no_repeat_ngram")):
                     ax.axhline(row["score"], linestyle="--", linewidth=1, color="grey")
                     ax.annotate(METHOD_NAMES.get(row["method"], row["method"]), (0.01, row["score"]),
                                 xycoords=("axes fraction", "data"), fontsize=7, color="grey")

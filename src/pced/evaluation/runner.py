@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,9 @@ def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
               "gold_doc_ids": example.gold_doc_ids, "trace": [], "beta": [],
               "timings": {"retrieval_s": round(retrieval_s, 6)}, "stats": {}}
     try:
-        rule = {} if run.rule is None else {k: getattr(run.rule, k) for k in ("beta", "gamma", "aggregation", "score_space")}
+        rule = {} if run.rule is None else {k: getattr(run.rule, k)
+                                            for k in ("beta", "gamma", "aggregation", "score_space", "prior")}
+        sampling = replace(sampling, no_repeat_ngram=run.no_repeat_ngram)
         options = AskOptions(method=run.method, sampling=sampling, backend=backend if run.method == "pced" else "transformers",
                              **rule, **run.ask_fields())
         asked = ask_candidates(engine, candidates, example.question, options, retrieve=retrieve if run.follow else None)
@@ -141,7 +144,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict:
     _check_run_identity(out, identity)
     results = out / "results.jsonl"
     done = completed_pairs(results)
-    fixed = config.paper_defaults or None not in (config.beta, config.gamma, config.aggregation, config.score_space)
+    fixed = config.paper_defaults or None not in (config.beta, config.gamma, config.aggregation, config.score_space,
+                                                  config.prior)
     grid = build_grid(config, resolve_rule(paper=True) if fixed else resolve_rule(model()))
     todo = [(e, [run for run in grid if (e.id, run.key) not in done]) for e in dataset.examples]
     todo = [(e, runs) for e, runs in todo if runs]

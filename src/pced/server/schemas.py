@@ -19,7 +19,7 @@ from ..answers import SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
-from ..rule import AGGREGATIONS, BETA_MODES, SCORE_SPACES
+from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 
 SAMPLING = SamplingConfig()
 
@@ -54,6 +54,7 @@ class RequestError(ValueError):
 Method = Literal[METHODS]  # type: ignore[valid-type]
 Aggregation = Literal[AGGREGATIONS]  # type: ignore[valid-type]
 ScoreSpace = Literal[SCORE_SPACES]  # type: ignore[valid-type]
+Prior = Literal[PRIORS]  # type: ignore[valid-type]
 Retriever = Literal[RETRIEVERS]  # type: ignore[valid-type]
 BetaMode = Literal[BETA_MODES]  # type: ignore[valid-type]
 
@@ -83,6 +84,8 @@ class PcedOptions(Strict):
     gamma: float | None = AskOptions.gamma
     aggregation: Aggregation | None = AskOptions.aggregation
     score_space: ScoreSpace | None = AskOptions.score_space
+    prior: Prior | None = AskOptions.prior
+    no_repeat_ngram: int = SAMPLING.no_repeat_ngram  # OpenAI requests have no such field: it lives here
     max_experts: int | None = AskOptions.max_experts
     prune_margin: float | None = AskOptions.prune_margin
     rescore: bool = AskOptions.rescore
@@ -215,17 +218,21 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
         raise RequestError(f"max_experts must be between 1 and {limits.max_top_k}, got {pced.max_experts}", "max_experts")
     if pced.prune_margin is not None and not (math.isfinite(pced.prune_margin) and pced.prune_margin >= 0):
         raise RequestError(f"prune_margin must be a finite number >= 0, got {pced.prune_margin}", "prune_margin")
+    if not 0 <= pced.no_repeat_ngram <= limits.max_tokens:
+        raise RequestError(f"no_repeat_ngram must be between 0 (off) and {limits.max_tokens}, got {pced.no_repeat_ngram}",
+                           "no_repeat_ngram")
     if documents is not None and not documents:
         raise RequestError("documents is empty: leave it out to retrieve from the store", "documents")
     try:
         options = AskOptions(method=pced.method, top_k=pced.top_k, top_n=pced.top_n, retriever=pced.retriever,
                              rerank=pced.rerank, beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation,
-                             score_space=pced.score_space, max_experts=pced.max_experts, prune_margin=pced.prune_margin,
-                             rescore=pced.rescore, max_joins=pced.max_joins)
+                             score_space=pced.score_space, prior=pced.prior, max_experts=pced.max_experts,
+                             prune_margin=pced.prune_margin, rescore=pced.rescore, max_joins=pced.max_joins)
     except ValueError as exc:
         raise RequestError(str(exc), "pced") from None
     candidates = _candidates(documents, limits) if documents is not None else None
-    return Job(question=question, candidates=candidates, options=replace(options, sampling=_sampling(sampling, limits)))
+    decoding = replace(_sampling(sampling, limits), no_repeat_ngram=pced.no_repeat_ngram)
+    return Job(question=question, candidates=candidates, options=replace(options, sampling=decoding))
 
 
 def chat_job(request: ChatRequest, limits: Limits) -> Job:

@@ -109,8 +109,9 @@ class Worker:
 
     def submit(self, job: Job) -> Run:
         options = job.options
-        if self.backend == "vllm" and options.method == "pced" and not (options.rescore or options.max_joins):
-            try:  # decode-time relevance stays on the transformers lane
+        if self.backend == "vllm" and options.method == "pced" and not (options.rescore or options.max_joins
+                                                                          or options.sampling.no_repeat_ngram):
+            try:  # decode-time relevance and the n-gram ban (the loop's, not vLLM's sampler's) stay on the transformers lane
                 job = replace(job, options=replace(options, backend="vllm", vllm=self.vllm))
             except ValueError as exc:  # what the vLLM backend refuses (sampling)
                 raise RequestError(str(exc), "temperature", "unsupported_value") from None

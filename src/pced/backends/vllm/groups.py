@@ -42,7 +42,7 @@ class GroupMember:
         r = self.rule
         return {PCED_KEY: {"group": self.group, "member": self.member, "relevance": list(self.relevance),
                            "rule": {"beta": r.beta, "gamma": r.gamma, "aggregation": r.aggregation,
-                                    "score_space": r.score_space}}}
+                                    "score_space": r.score_space, "prior": r.prior}}}
 
     @classmethod
     def from_args(cls, extra_args: dict | None) -> GroupMember | None:

@@ -225,6 +225,28 @@ def test_hybrid_fuses_both_scores_for_every_candidate(bm25, dense, tmp_path):
     assert [h.index for h in loaded.search(query, 5)] == [h.index for h in hybrid.search(query, 5)]
 
 
+def test_rank_fusions_do_not_let_a_zero_bm25_veto_a_dense_match(bm25, dense, tmp_path):
+    from pced.retrieval.compose import hybrid_fusion
+    from pced.retrieval.scores import fuse_mean, fuse_rrf, ranks
+
+    assert ranks(np.array([0.5, 2.0, 0.5, -1.0])).tolist() == [2, 1, 2, 4]  # ties share the better rank
+    assert fuse_rrf(np.array([3.0, 1.0]), np.array([0.9, 0.1])).tolist() == [1.0 - 1e-8, pytest.approx(61 / 62)]
+    assert float(fuse_mean(1e-8, 0.8)) == pytest.approx(0.4)
+    assert [hybrid_fusion(n) for n in ("hybrid", "hybrid-mean", "hybrid-rrf")] == ["harmonic", "mean", "rrf"]
+    with pytest.raises(ValueError, match="fusion"):
+        HybridRetriever(bm25, dense, fusion="product")
+    query = "biggest creature alive"  # no word of the whale document: BM25 0 there
+    whale = [d.id for d in CORPUS].index("whale")
+    assert bm25.scores(query)[whale] == 0.0
+    harmonic, mean, rrf = (HybridRetriever(bm25, dense, fusion=f) for f in ("harmonic", "mean", "rrf"))
+    assert harmonic.scores(query)[whale] < 1e-7  # the paper's harmonic mean: vetoed
+    assert mean.scores(query)[whale] == pytest.approx(float(normalize_dense(dense.scores(query)[whale])) / 2)
+    assert mean.search(query, 1)[0].doc_id == "whale" and rrf.scores(query)[whale] > 0.4
+    for hybrid in (mean, rrf):  # search's relevances are the ones scores() gives every document
+        for hit in hybrid.search(query, 4):
+            assert hit.relevance == pytest.approx(float(hybrid.scores(query)[hit.index]))
+
+
 def test_hybrid_refuses_components_over_different_corpora(bm25, dense):
     other = BM25Retriever().index(CORPUS[:3])
     with pytest.raises(ValueError, match="different corpora"):

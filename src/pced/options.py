@@ -19,7 +19,7 @@ from .defaults import resolve_rule
 from .rule import Beta, RuleConfig
 
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
-RETRIEVERS = ("hybrid", "sparse", "dense", "colbert")
+RETRIEVERS = ("hybrid", "sparse", "dense", "colbert", "hybrid-mean", "hybrid-rrf")  # hybrid-*: other fusions of the same indexes
 BACKENDS = ("transformers", "vllm")
 STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kvdata
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise

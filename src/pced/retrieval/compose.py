@@ -20,6 +20,11 @@ def index_dirs(bge_m3: str | None) -> list[str]:
     return ["m3"] if bge_m3 else ["sparse", "dense"]
 
 
+def hybrid_fusion(name: str) -> str:
+    """hybrid -> the paper's harmonic mean; hybrid-mean / hybrid-rrf -> that fusion."""
+    return name.partition("-")[2] or "harmonic"
+
+
 def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, BaseRetriever]) -> BaseRetriever:
     """Retriever ``name`` of the indexes in ``base``, memoised in ``opened``."""
     if name not in RETRIEVERS:
@@ -31,12 +36,13 @@ def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, 
         if bge_m3:
             m3 = opened.get("m3") or load_retriever(base / "m3", model_path=bge_m3)
             opened["m3"] = m3
-            opened[name] = HybridRetriever(m3.with_mode("sparse"), m3.with_mode("dense")) if name == "hybrid" else m3.with_mode(name)
+            opened[name] = HybridRetriever(m3.with_mode("sparse"), m3.with_mode("dense"), fusion=hybrid_fusion(name)) \
+                if name.startswith("hybrid") else m3.with_mode(name)
         elif name == "colbert":
             raise ValueError("the colbert retriever needs a store built with --bge-m3 PATH")
-        elif name == "hybrid":
+        elif name.startswith("hybrid"):
             opened[name] = HybridRetriever(open_retriever(base, "sparse", None, opened),
-                                           open_retriever(base, "dense", None, opened))
+                                           open_retriever(base, "dense", None, opened), fusion=hybrid_fusion(name))
         else:
             opened[name] = load_retriever(base / name)
     return opened[name]

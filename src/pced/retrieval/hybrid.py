@@ -1,4 +1,5 @@
-"""Sparse + dense hybrid retrieval fused by the paper's harmonic mean.
+"""Sparse + dense hybrid retrieval fused by the paper's harmonic mean (or, as measured
+alternatives, their mean or reciprocal rank fusion: ``retrieval.scores.FUSIONS``).
 
 BM25 catches rare exact terms (names, dates) that a small bi-encoder blurs; the bi-encoder
 catches paraphrases BM25 misses. The candidate pool is the union of both top-N lists, and
@@ -18,7 +19,7 @@ import numpy as np
 
 from pced.documents import Document
 from pced.retrieval.base import DEFAULT_TOP_N, QUERY_CHUNK, BaseRetriever, Hit, top_indices
-from pced.retrieval.scores import clip_relevance, fuse
+from pced.retrieval.scores import FUSIONS, clip_relevance, fuse, fuse_mean, fuse_rrf
 from pced.retrieval.storage import read_manifest, write_manifest
 
 TYPE = "hybrid"
@@ -30,9 +31,12 @@ class HybridRetriever(BaseRetriever):
     kind = "hybrid"
     composite = True  # its load opens its components through the registry
 
-    def __init__(self, sparse: BaseRetriever, dense: BaseRetriever, name: str | None = None) -> None:
+    def __init__(self, sparse: BaseRetriever, dense: BaseRetriever, name: str | None = None,
+                 fusion: str = FUSIONS[0]) -> None:
         super().__init__()
-        self.sparse, self.dense = sparse, dense
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+        self.sparse, self.dense, self.fusion = sparse, dense, fusion
         self.name = name or f"{sparse.name}+{dense.name}"
         if sparse.doc_ids and dense.doc_ids:
             self._adopt_ids()
@@ -57,7 +61,15 @@ class HybridRetriever(BaseRetriever):
     def scores_many(self, queries: Sequence[str]) -> np.ndarray:
         """Fused relevance of every document (what the hybrid ranks by)."""
         s, d = self.component_scores(queries)
-        return fuse(self.sparse.normalize(s), self.dense.normalize(d))
+        return np.stack([self._fuse(a, b) for a, b in zip(s, d, strict=True)]) if len(s) else np.zeros((0, len(self)))
+
+    def _fuse(self, sparse_raw: np.ndarray, dense_raw: np.ndarray) -> np.ndarray:
+        """One query's fused relevance of the documents whose raw scores are given (ranks for
+        ``rrf`` are taken among those documents)."""
+        if self.fusion == "rrf":
+            return fuse_rrf(sparse_raw, dense_raw)
+        combine = fuse if self.fusion == "harmonic" else fuse_mean
+        return combine(self.sparse.normalize(sparse_raw), self.dense.normalize(dense_raw))
 
     def normalize(self, raw: np.ndarray) -> np.ndarray:
         return clip_relevance(raw)  # the fused score already is a relevance
@@ -73,7 +85,9 @@ class HybridRetriever(BaseRetriever):
 
     def _fuse_hits(self, sparse_raw: np.ndarray, dense_raw: np.ndarray, top_n: int) -> list[Hit]:
         pool = np.union1d(top_indices(sparse_raw, top_n), top_indices(dense_raw, top_n))
-        fused = fuse(self.sparse.normalize(sparse_raw[pool]), self.dense.normalize(dense_raw[pool]))
+        # rrf: ranks in the whole corpus, as scores_many gives them, so search and rescoring agree
+        fused = self._fuse(sparse_raw, dense_raw)[pool] if self.fusion == "rrf" else \
+            self._fuse(sparse_raw[pool], dense_raw[pool])
         order = top_indices(fused, top_n)
         return [
             Hit(int(pool[k]), self.doc_ids[int(pool[k])], float(fused[k]), float(fused[k]),
@@ -100,6 +114,6 @@ class HybridRetriever(BaseRetriever):
         return cls(sparse, dense, name=manifest["name"])
 
     def describe(self) -> dict[str, Any]:
-        return {"type": TYPE, "kind": self.kind, "name": self.name, "fusion": "harmonic mean",
+        return {"type": TYPE, "kind": self.kind, "name": self.name, "fusion": self.fusion,
                 "pool": "union of component top-N", "sparse": self.sparse.describe(),
                 "dense": self.dense.describe()}

@@ -56,3 +56,32 @@ def fuse(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     a = clip_relevance(a)
     b = clip_relevance(b)
     return clip_relevance(2.0 * a * b / (a + b + EPS))
+
+
+# -- fusing the hybrid's two sides (``pced.retrieval.hybrid``) ---------------------------------------
+FUSIONS = ("harmonic", "mean", "rrf")
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al., 2009)
+
+
+def fuse_mean(a: ArrayLike, b: ArrayLike) -> np.ndarray:
+    """Arithmetic mean of two relevances: one side at 0 halves the other instead of vetoing it."""
+    return clip_relevance(0.5 * (clip_relevance(a) + clip_relevance(b)))
+
+
+def ranks(raw: ArrayLike) -> np.ndarray:
+    """1-based rank of every entry, best (highest) first; ties share the better rank."""
+    raw = np.asarray(raw, dtype=np.float64)
+    order = np.argsort(-raw, kind="stable")
+    sorted_raw = raw[order]
+    first = np.r_[True, sorted_raw[1:] != sorted_raw[:-1]]
+    rank_sorted = np.maximum.accumulate(np.where(first, np.arange(1, raw.size + 1), 0))
+    out = np.empty(raw.size, dtype=np.int64)
+    out[order] = rank_sorted
+    return out
+
+
+def fuse_rrf(sparse_raw: ArrayLike, dense_raw: ArrayLike, k: int = RRF_K) -> np.ndarray:
+    """Reciprocal rank fusion of two rankings of the same documents, scaled to (0, 1]: 1 for a
+    document first in both lists. Raw scores never meet, so no side's scale (BM25 0) can veto."""
+    total = 1.0 / (k + ranks(sparse_raw)) + 1.0 / (k + ranks(dense_raw))
+    return clip_relevance(total * (k + 1) / 2.0)

@@ -42,6 +42,7 @@ def test_health_and_models(client, store):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["documents"] == len(store.documents)
     assert health["model"] == store.llm.name
+    assert health["kv_pool"] is None  # a CPU model without --gpu-cache-gb: caches go straight from the mapping
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [store.llm.name]
     page = client.get("/")
@@ -193,3 +194,16 @@ def test_unexpected_failures_are_500_without_details_and_queue_limits_503(store,
     with TestClient(create_app(store, Limits(max_queue=0))) as client:
         response = client.post("/v1/pced/answer", json={"question": QUESTION})
         assert response.status_code == 503 and json.loads(response.text)["error"]["code"] == "overloaded"
+
+
+def test_health_reports_the_device_pool_it_answers_from(tmp_path_factory, tiny_llm):
+    from pced.kvpool import CacheTiers
+    from pced.store import DocumentStore
+
+    store = DocumentStore.open(tiny_store(tmp_path_factory, tiny_llm).root, tiny_llm, tiers=CacheTiers(gpu_cache_gb=0.5))
+    with TestClient(create_app(store)) as client:
+        answers = [client.post("/v1/pced/answer", json={"question": QUESTION, "top_k": 3, "max_tokens": 6}).json()
+                   for _ in range(2)]
+        pool = client.get("/health").json()["kv_pool"]
+    assert answers[0]["answer"] == answers[1]["answer"] == direct_answer(store, QUESTION, 3, 6)["answer"]
+    assert pool["budget_bytes"] == 2**29 and pool["entries"] == 3 and pool["misses"] == 3 and pool["hits"] >= 3

@@ -132,7 +132,7 @@ def config_from(args: argparse.Namespace):
         methods=_choices(args.methods, "--methods", METHODS),
         limit=_int_option(args.limit, "--limit", 1),
         setting=args.setting,
-        model=args.model, device=args.device, dtype=args.dtype,
+        model=args.model, device=args.device, dtype=args.dtype, gpu_cache_gb=args.gpu_cache_gb,
         retriever=args.retriever,
         relevance=None if args.relevance is None else _items(args.relevance, "--relevance"),
         top_k=[_number(k, "--top-k", integer=True) for k in _items(args.top_k, "--top-k")],

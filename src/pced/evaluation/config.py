@@ -8,6 +8,7 @@ from itertools import product
 from typing import Sequence
 
 from pced.answers import SamplingConfig
+from pced.kvpool import CacheTiers
 from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 
@@ -45,6 +46,7 @@ class EvalConfig:
     bge_m3: str | None = None
     reranker: str | None = None
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
+    gpu_cache_gb: float = CacheTiers.gpu_cache_gb  # document caches kept on the device between questions
     max_doc_tokens: int = 1024  # IndexSettings.max_doc_tokens
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
@@ -165,6 +167,8 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--follow is empty")
     if follow and config.backend == "vllm" and set(follow) != {"off"}:
         raise EvalError("--follow: decode-time relevance runs on the transformers backend only")
+    if not (config.gpu_cache_gb >= 0 and config.gpu_cache_gb != float("inf")):
+        raise EvalError(f"--gpu-cache-gb must be a finite number >= 0, got {config.gpu_cache_gb}")
     if not 1 <= config.max_joins <= 64:
         raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
     return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow,

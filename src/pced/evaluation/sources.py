@@ -89,7 +89,16 @@ def safe_name(name: str) -> str:
 
 
 def prepare_store(config: EvalConfig, dataset: Dataset, llm, model_setting: str):
-    """Open the dataset's store under the work dir, building or extending it when it lacks documents."""
+    """Open the dataset's store under the work dir, building or extending it when it lacks documents;
+    its caches are kept as ``config.gpu_cache_gb`` says."""
+    from pced.kvpool import CacheTiers
+
+    store = _open_or_index(config, dataset, llm, model_setting)
+    store.use_tiers(CacheTiers(gpu_cache_gb=config.gpu_cache_gb))
+    return store
+
+
+def _open_or_index(config: EvalConfig, dataset: Dataset, llm, model_setting: str):
     from pced.store import DocumentStore, IndexSettings, index_store
 
     template = "icl" if dataset.task == "icl" else "rag"

@@ -196,7 +196,8 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
-                "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health()}
+                "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
+                "kv_pool": worker.pool_health()}
 
     @app.get("/v1/models")
     async def models():

@@ -102,6 +102,11 @@ class Worker:
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report
 
+    def pool_health(self) -> dict | None:
+        """The device tier's budget, bytes held and hits (None without --gpu-cache-gb on a CPU model)."""
+        pool = self.store.engine.store.pool
+        return None if pool is None else pool.stats()
+
     def backend_health(self) -> dict:
         if self.engine is None:
             return {"name": self.backend}

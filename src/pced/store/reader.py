@@ -60,6 +60,11 @@ class DocumentStore:
                 f"this run uses {llm.name} ({llm.fingerprint}): use the same --model or another store"
             )
 
+    def use_tiers(self, tiers: CacheTiers) -> None:
+        """Keep document caches as ``tiers`` says from now on (a new, empty device pool)."""
+        self.tiers = tiers
+        self._engine = None
+
     # -- components (loaded on first use) -------------------------------------------------------
     @property
     def llm(self) -> LoadedModel:

@@ -57,10 +57,14 @@ def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path)
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     from pced.bench import BenchConfig, run_bench
 
-    config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5, storage_dtypes=(),
-                         memory=False, cold=False, out=str(tmp_path / "bench"))
+    config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5,
+                         storage_dtypes=("float16", "int8"), memory=False, cold=False, out=str(tmp_path / "bench"))
     results = run_bench(tiny_llm, config)
     rows = results["lengths"][0]["rows"]
     assert [row[method]["new_tokens"] for row in rows for method in config.methods] == [4] * 6
+    assert all(row["pced"]["ttft_resident_s"] > 0 for row in rows)  # PCED with its caches in the device pool
+    storage = {row["dtype"]: row for row in results["storage"]}
+    assert storage["int8"]["bytes_per_token"] < storage["float16"]["bytes_per_token"]  # files: headers weigh at 24 tokens
+    assert all(row["pced_ttft_s"] > 0 for row in storage.values())
     assert results["end_to_end"]["pced"]["new_tokens"] == results["end_to_end"]["all"]["new_tokens"] == 5
     assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png"}

@@ -46,9 +46,15 @@ def markdown_report(results: dict) -> str:
                 f"{_fmt(p.get('suffix_forward_s'))} | {_fmt(floor_ratio, 2)} | {_fmt(a.get('ttft_s'))} | {_fmt(ratio, 1)} | "
                 f"{_fmt(e.get('ttft_s'))} | {_decode(p)} | {_decode(a)} | {_decode(e)} |"
             )
-    lines += ["", "### Storage per dtype", "", "| dtype | bytes per document token | indexing tokens/s |", "|---|---|---|"]
-    for row in results.get("storage", []):
-        lines.append(f"| {row['dtype']} | {row['bytes_per_token']:.0f} | {row['tokens_per_s']:.0f} |")
+    storage = results.get("storage", [])
+    if storage:
+        lines += ["", f"### Storage per dtype ({storage[0]['documents']} documents of {results['config']['doc_tokens'][0]} "
+                      "tokens; PCED over all of them, page cache warm)", "",
+                  "| dtype | bytes per document token | indexing tokens/s | PCED TTFT (s) | of which cache load (s) |",
+                  "|---|---|---|---|---|"]
+    for row in storage:
+        lines.append(f"| {row['dtype']} | {row['bytes_per_token']:.0f} | {row['tokens_per_s']:.0f} | "
+                     f"{_fmt(row.get('pced_ttft_s'))} | {_fmt(row.get('pced_cache_load_s'))} |")
     e2e = results.get("end_to_end")
     if e2e:
         lines += ["", f"### End to end: k={e2e['k']}, L={e2e['doc_tokens']}, {e2e['new_tokens']} new tokens", "",

@@ -134,9 +134,10 @@ def calibrate(
     gamma: float,
     relevance: torch.Tensor,
     prior: str = "log",
+    prior_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """s_hat [N, V] from expert scores [N, V], amateur [V], beta [N] or [N, V], relevance [N];
-    ``prior`` is the mode of ``prior_term``.
+    ``prior`` is the mode of ``prior_term``, ``prior_values`` its result when already computed.
 
     The result lives on the scores' device: beta and the prior follow them there (a CPU relevance
     vector beside CUDA logits is the normal case)."""
@@ -144,7 +145,8 @@ def calibrate(
     if beta.dim() == 1:
         beta = beta[:, None]
     contrast = (1.0 + beta) * expert_scores - beta * amateur_scores[None, :]
-    return contrast + prior_term(relevance, gamma, prior).to(expert_scores.device)[:, None]
+    values = prior_term(relevance, gamma, prior) if prior_values is None else prior_values  # (precomputed: the rule's cache)
+    return contrast + values.to(expert_scores.device)[:, None]
 
 
 @dataclass
@@ -193,6 +195,10 @@ class ContrastiveRule:
         self.relevance = relevance.float()
         self.beta: torch.Tensor | None = None
         self.last_s_hat: torch.Tensor | None = None
+        # Host-side state, so that a GPU step reads nothing back to decide: whether a joined expert
+        # still needs its dynamic beta, and the prior term on the scores' device (None: recompute)
+        self._beta_pending = False
+        self._prior: torch.Tensor | None = None
         if not isinstance(config.beta, str):
             self.beta = torch.full((len(relevance),), float(config.beta))
 
@@ -200,15 +206,18 @@ class ContrastiveRule:
         """An expert joins mid-answer (its row was appended last): a dynamic beta is computed at the
         first step it takes part in, then frozen, as the others' were at theirs."""
         self.relevance = torch.cat([self.relevance, self.relevance.new_tensor([relevance])])
+        self._prior = None
         if self.beta is not None and self.beta.dim() == 1:
             value = float("nan") if self.config.beta == "dynamic" else float(self.config.beta)
             self.beta = torch.cat([self.beta, self.beta.new_tensor([value])])
+            self._beta_pending = self.config.beta == "dynamic"
 
     def set_relevance(self, relevance: torch.Tensor) -> None:
         """Decode-time relevance: new r_k for the experts, from the next step on."""
         if relevance.shape != self.relevance.shape:
             raise ValueError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
         self.relevance = relevance.float()
+        self._prior = None
 
     def betas(self) -> list[float]:
         """One beta per expert (mean over the vocabulary for the element-wise variant's last step)."""
@@ -224,13 +233,18 @@ class ContrastiveRule:
         experts = to_score_space(logits[1:], self.config.score_space)
         if self.config.beta == "dynamic" and self.beta is None:
             self.beta = js_divergence(experts, amateur)
-        elif self.config.beta == "dynamic" and bool(torch.isnan(self.beta).any()):  # experts that joined mid-answer
+        elif self.config.beta == "dynamic" and self._beta_pending:  # experts that joined mid-answer
             pending = torch.isnan(self.beta)
             self.beta = self.beta.clone()
             self.beta[pending] = js_divergence(experts[pending.to(experts.device)], amateur).to(self.beta.device)
+            self._beta_pending = False
         elif self.config.beta == "elementwise":
             self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
-        s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance, self.config.prior)
+        if self.beta.device != experts.device:  # a fixed beta: moved once, not at every step
+            self.beta = self.beta.to(experts.device)
+        if self._prior is None or self._prior.device != experts.device:
+            self._prior = prior_term(self.relevance, self.config.gamma, self.config.prior).to(experts.device)
+        s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance, self.config.prior, self._prior)
         self.last_s_hat = s_hat  # per-expert calibrated scores, for traces
         return aggregate(s_hat, amateur, self.relevance, self.config)
 

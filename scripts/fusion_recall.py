@@ -30,6 +30,12 @@ FUSIONS = ("hybrid", "hybrid-mean", "hybrid-rrf")
 VETO = 1e-6
 
 
+def document_id(candidate) -> str:
+    """The example's document id of a candidate (a long document's chunk "id#3" counts as "id")."""
+    base, _, number = candidate.document.id.rpartition("#")
+    return base if base and number.isdigit() else candidate.document.id
+
+
 def measure(source: CandidateSource, examples, ks: list[int]) -> dict:
     rows = {f"recall@{k}": [] for k in ks} | {f"all_gold@{k}": [] for k in ks}
     vetoed, vetoed_gold = [], []
@@ -38,14 +44,14 @@ def measure(source: CandidateSource, examples, ks: list[int]) -> dict:
         gold = set(example.gold_doc_ids)
         if not gold:
             continue
-        ids = [c.document.id.split("#")[0] for c in ranked]
+        ids = [document_id(c) for c in ranked]
         for k in ks:
             found = len(gold & set(ids[:k]))
             rows[f"recall@{k}"].append(found / len(gold))
             rows[f"all_gold@{k}"].append(float(found == len(gold)))
         low = [c for c in ranked if c.relevance < VETO]
         vetoed.append(len(low))
-        vetoed_gold.append(sum(c.document.id.split("#")[0] in gold for c in low))
+        vetoed_gold.append(sum(document_id(c) in gold for c in low))
     out = {name: sum(values) / max(1, len(values)) for name, values in rows.items()}
     out.update(questions=len(vetoed), vetoed_slots=sum(vetoed) / max(1, len(vetoed)),
                vetoed_gold=sum(vetoed_gold), questions_with_vetoed_gold=sum(1 for v in vetoed_gold if v))

@@ -3,7 +3,6 @@ no-repeat n-gram ban after the rule. Off, both are today's decoding token for to
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from pced.answers import SamplingConfig
 from pced.cli import main
 from pced.decoding import Generation, PlainScoring, ban_repeated_ngrams
 from pced.defaults import resolve_rule
-from pced.evaluation.config import EvalConfig, EvalError, RunConfig, build_grid, validate
+from pced.evaluation.config import EvalConfig, EvalError, build_grid, validate
 from pced.evaluation.report import format_table
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.options import AskOptions

@@ -26,11 +26,10 @@ from .engine import Engine
 from .floor import copy_bandwidth, decode_floor_s, weight_bytes
 from .fs import atomic_write_json, atomic_write_text
 from .kvpool import CacheTiers
-from .kvstore import KVStore
 from .llm import LoadedModel
 from .options import AskOptions
 from .pipeline import ask_candidates
-from .prompts import RAG_TEMPLATE, PromptBuilder
+from .prompts import RAG_TEMPLATE
 
 
 RESIDENT_GB = 1024.0  # "keep everything": the bench's documents always fit a device that can run them
@@ -183,7 +182,6 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
     dtypes compare fairly."""
     docs, question, gold = secret_code_documents(llm, n_docs, cfg.doc_tokens[0], cfg.seed + 1)
     sampling = SamplingConfig(max_new_tokens=2, ignore_eos=True)
-    builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
     rows = []
     for dtype in cfg.storage_dtypes:
         folder = root / f"storage-{dtype}"
@@ -191,14 +189,14 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
             import shutil
 
             shutil.rmtree(folder)
-        store = KVStore(folder, llm, builder, dtype)
+        engine = Engine(llm, RAG_TEMPLATE, folder, dtype)
+        store = engine.store
         store.prefix()
         started = time.perf_counter()
         digests = store.add([d.render() for d in docs], progress=False)
         seconds = time.perf_counter() - started
         tokens = sum(store.load(h).n_tokens for h in digests)
         size = sum(store.path_for(h).stat().st_size for h in digests)
-        engine = Engine(llm, RAG_TEMPLATE, folder, dtype)
         runs = [_run(start(engine, "pced", docs, gold, question, sampling)) for _ in range(cfg.repeats + 1)][1:]
         rows.append({"dtype": dtype, "documents": n_docs, "tokens": tokens, "bytes": size, "bytes_per_token": size / tokens,
                      "index_s": seconds, "tokens_per_s": tokens / seconds,

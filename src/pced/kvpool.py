@@ -89,11 +89,6 @@ class DevicePool:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.bytes = 0
-
     def stats(self) -> dict:
         """For /health and the bench: budget, bytes held, entries and counters."""
         return {"device": str(self.device), "budget_bytes": self.budget, "bytes": self.bytes,

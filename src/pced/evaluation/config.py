@@ -167,8 +167,10 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--follow is empty")
     if follow and config.backend == "vllm" and set(follow) != {"off"}:
         raise EvalError("--follow: decode-time relevance runs on the transformers backend only")
-    if not (config.gpu_cache_gb >= 0 and config.gpu_cache_gb != float("inf")):
-        raise EvalError(f"--gpu-cache-gb must be a finite number >= 0, got {config.gpu_cache_gb}")
+    try:
+        CacheTiers(gpu_cache_gb=config.gpu_cache_gb)
+    except ValueError as exc:
+        raise EvalError(f"--gpu-cache-gb: {exc}") from None
     if not 1 <= config.max_joins <= 64:
         raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
     return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow,

@@ -61,11 +61,13 @@ class HybridRetriever(BaseRetriever):
     def scores_many(self, queries: Sequence[str]) -> np.ndarray:
         """Fused relevance of every document (what the hybrid ranks by)."""
         s, d = self.component_scores(queries)
-        return np.stack([self._fuse(a, b) for a, b in zip(s, d, strict=True)]) if len(s) else np.zeros((0, len(self)))
+        if self.fusion == "rrf":  # ranks are per query
+            return np.stack([fuse_rrf(a, b) for a, b in zip(s, d, strict=True)]) if len(s) else np.zeros((0, len(self)))
+        return self._fuse(s, d)
 
     def _fuse(self, sparse_raw: np.ndarray, dense_raw: np.ndarray) -> np.ndarray:
-        """One query's fused relevance of the documents whose raw scores are given (ranks for
-        ``rrf`` are taken among those documents)."""
+        """Fused relevance of the documents whose raw scores are given ([docs] for one query, or
+        [queries, docs] for harmonic and mean; ranks for ``rrf`` are taken among one query's documents)."""
         if self.fusion == "rrf":
             return fuse_rrf(sparse_raw, dense_raw)
         combine = fuse if self.fusion == "harmonic" else fuse_mean

@@ -67,3 +67,28 @@ def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_pa
     assert bad.returncode == 2 and "neither a known shape" in bad.stderr and "Traceback" not in bad.stderr
     engine = run_pced("bench", "--random-model", "tiny", "--backend", "vllm", "--out", str(tmp_path / "bad"))
     assert engine.returncode == 2 and "use --model with --backend vllm" in engine.stderr
+
+
+def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_path):
+    """scripts/peer_langchain_pced.py times the authors' implementation in its own environment on
+    the model the bench timed ours on: from peer_inputs.json it must rebuild the very same weights."""
+    import importlib.util
+    from pathlib import Path
+
+    from pced.bench import peer_inputs
+    from pced.bench_config import BenchConfig
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "peer_langchain_pced.py"
+    spec = importlib.util.spec_from_file_location("peer_langchain_pced", script)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    ours = random_model("tiny", device="cpu", dtype="float32", seed=BenchConfig().seed)
+    model_spec = peer_inputs(ours, BenchConfig(), [])["model"]
+    assert model_spec["dir"] is None and model_spec["random_config"]["hidden_size"] == 64
+    theirs = peer.build_model(json.loads(json.dumps(model_spec)), "sdpa", "cpu")
+    mine = dict(ours.model.named_parameters())
+    assert sorted(mine) == sorted(dict(theirs.named_parameters()))
+    assert all(torch.equal(mine[name], param) for name, param in theirs.named_parameters())
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.inference_mode():
+        assert torch.equal(ours.model(ids).logits, theirs(ids).logits)

@@ -1,6 +1,7 @@
 """Every method runs through the one loop and honours every SamplingConfig field."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -55,7 +56,8 @@ def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path)
 
 
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
-    from pced.bench import BenchConfig, run_bench
+    from pced.bench import BenchConfig, run_bench, secret_code_documents
+    from pced.prompts import RAG_TEMPLATE
 
     config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5,
                          storage_dtypes=("float16", "int8"), memory=False, cold=False, out=str(tmp_path / "bench"))
@@ -67,4 +69,14 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     assert storage["int8"]["bytes_per_token"] < storage["float16"]["bytes_per_token"]  # files: headers weigh at 24 tokens
     assert all(row["pced_ttft_s"] > 0 for row in storage.values())
     assert results["end_to_end"]["pced"]["new_tokens"] == results["end_to_end"]["all"]["new_tokens"] == 5
-    assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png"}
+    assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png", "peer_inputs.json"}
+    # what the authors' implementation is timed on (scripts/peer_langchain_pced.py): exactly our prompt
+    peer = json.loads((tmp_path / "bench" / "peer_inputs.json").read_text())
+    length = peer["lengths"][0]
+    assert peer["ks"] == [2, 3] and len(length["doc_ids"]) == 3 and length["scores"][0] == 0.8
+    engine = Engine(tiny_llm, RAG_TEMPLATE, tmp_path / "bench" / "kv-L24-float16", "float16")
+    docs, question, gold = secret_code_documents(tiny_llm, 3, 24, config.seed)
+    gold_doc = next(d for d in docs if d.id in gold)
+    assert length["prefix_ids"] + length["doc_ids"][0] + length["question_ids"] == \
+        engine.builder.prompt_ids([gold_doc.render()], question)
+    assert "peer" not in results["lengths"][0]

@@ -143,7 +143,25 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
                     summary[f"cache_load_{name}_s"] = _median([r["cache_load_s"] for r in extra])
             row[method] = summary
         rows.append(row)
-    return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows}
+    peer = {"doc_tokens": doc_tokens, "gold_first": len(gold), "prefix_ids": list(builder.prefix_ids),
+            "doc_ids": [list(builder.context_ids([d.render()])) for d in docs],
+            "question_ids": list(builder.suffix_ids(question)),
+            "scores": [0.8 if d.id in gold else 0.5 for d in docs]}
+    return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows, "peer": peer}
+
+
+def peer_inputs(llm: LoadedModel, cfg: BenchConfig, lengths: list[dict]) -> dict:
+    """What ``scripts/peer_langchain_pced.py`` needs to time the authors' implementation on exactly
+    this run's model, documents and question, in its own environment (it imports nothing of pced)."""
+    folder = Path(llm.path)
+    return {
+        "model": {"name": llm.name, "dir": str(folder) if folder.is_dir() else None,
+                  "random_config": None if folder.is_dir() else llm.model.config.to_dict(),
+                  "tokenizer_dir": str(getattr(llm.tokenizer, "name_or_path", "")),
+                  "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "seed": cfg.seed},
+        "ks": list(cfg.ks), "new_tokens": cfg.new_tokens, "repeats": cfg.repeats,
+        "lengths": [length.pop("peer") for length in lengths],
+    }
 
 
 def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
@@ -166,6 +184,7 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
             results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar, bandwidth))
+    atomic_write_json(root / "peer_inputs.json", peer_inputs(llm, cfg, results["lengths"]))
     results["storage"] = bench_storage(llm, cfg, root) if cfg.storage_dtypes else []
     results["end_to_end"] = bench_end_to_end(llm, cfg, root, bandwidth) if cfg.long_new_tokens else None
     if cfg.memory:

@@ -68,10 +68,9 @@ def sync(device: str) -> None:
 
 
 def one_answer(model, tokenizer, length: dict, k: int, new_tokens: int, device: str) -> dict:
-    from transformers import GenerationConfig
-
     from langchain_pced.core import prefill_cb_with_fork
     from langchain_pced.core.decode_cb import decode_from_cache_cb_streaming
+    from transformers import GenerationConfig
 
     never = model.config.vocab_size + 7  # an end-of-sequence id no step can produce: fixed-length answers
     suffixes = [[]] + [list(ids) for ids in length["doc_ids"][:k]]  # row 0: the amateur (no document)
@@ -115,7 +114,7 @@ def ours(bench: dict, doc_tokens: int, k: int) -> dict:
 
 
 def fmt(value, digits: int = 3) -> str:
-    return "–" if value is None or value != value else f"{value:.{digits}f}"
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"decode {row['decode_per_token_s'] * 1000:.1f} ms/token", file=sys.stderr)
     (args.run / "peer.json").write_text(json.dumps(results, indent=2))
     lines = [f"# PCED: pced against the authors' langchain-pced ({results['model']}, {results['dtype']}, {device})", "",
-             f"{results['package']} on transformers {results['transformers']}, attention `{args.attn}`; "
-             f"medians of {repeats}. pced's numbers come from the same folder's bench.json (its own run).", "",
-             "| L | k | langchain-pced TTFT (s) | of which prefill (s) | pced TTFT, page cache (s) | pced TTFT, resident (s) "
-             "| langchain-pced decode (ms/token) | pced decode (ms/token) |",
+             (f"{results['package']} on transformers {results['transformers']}, attention `{args.attn}`; "
+              f"medians of {repeats}. pced's numbers come from the same folder's bench.json (its own run)."), "",
+             ("| L | k | langchain-pced TTFT (s) | of which prefill (s) | pced TTFT, page cache (s) | pced TTFT, resident (s) "
+              "| langchain-pced decode (ms/token) | pced decode (ms/token) |"),
              "|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         mine = ours(bench, row["doc_tokens"], row["k"])

@@ -51,6 +51,24 @@ def pick(records: list[dict], wanted: str | None, test) -> str:
     return keys[0]
 
 
+def gold_recall(records: list[dict]) -> dict:
+    """How joining changed which gold documents PCED read: per question, the gold ids among the
+    question's experts and among the experts plus the joined ones."""
+    out = {"gold": 0, "gold_in_top_k": 0, "gold_in_final": 0, "missing": 0, "joined": 0, "joins": 0}
+    for record in records:
+        gold = set(record.get("gold_doc_ids") or [])
+        top_k = {e["doc_id"] for e in record["experts"]}
+        came = {e["doc_id"] for e in record.get("joined") or []}
+        out["gold"] += len(gold)
+        out["gold_in_top_k"] += len(gold & top_k)
+        out["gold_in_final"] += len(gold & (top_k | came))
+        out["joins"] += len(came)
+        if gold - top_k:
+            out["missing"] += 1
+            out["joined"] += bool((gold - top_k) & came)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a pced eval output folder")
@@ -97,9 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     scores = {"PCED with joins": [joined[i]["score"] for i in common],
               "All, question's top-k": [all_top_k[i]["score"] for i in common],
               "All, PCED's final set": [final[i] for i in common]}
+    for key in sorted({r["config"] for r in records} - {join_key, all_key}):  # Single, PCED without joins, ...
+        answered = {r["example_id"]: r["score"] for r in records if r["config"] == key}
+        if all(i in answered for i in common):
+            scores[key] = [answered[i] for i in common]
     with_joins = [i for i in common if joined[i].get("joined")]
+    recall = gold_recall([joined[i] for i in common])
     lines = [f"### {run['dataset']} ({run.get('setting')}): All over the documents PCED read", "",
-             f"{len(common)} questions; documents joined in {len(with_joins)} of them (PCED config `{join_key}`).", "",
+             f"{len(common)} questions; documents joined in {len(with_joins)} of them (PCED config `{join_key}`).",
+             f"A gold document was missing from the question's top-k in {recall['missing']} questions; in "
+             f"{recall['joined']} of them a missing gold document joined. Gold documents read: "
+             f"{recall['gold_in_top_k']} of {recall['gold']} from the question's top-k, {recall['gold_in_final']} "
+             f"in PCED's final set ({recall['joins']} joins in all, {recall['joins'] / max(1, len(common)):.2f} per answer).", "",
              "| reader | score (%) | on the questions with joins (%) |", "|---|---|---|"]
     for name, values in scores.items():
         sub = [v for i, v in zip(common, values) if i in with_joins]
@@ -114,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(args.run / "all_final.md", text)
     atomic_write_json(args.run / "all_final.json", {"join_config": join_key, "all_config": all_key,
                                                     "questions": len(common), "with_joins": len(with_joins),
+                                                    "gold": recall,
                                                     "scores": {k: sum(v) / max(1, len(v)) for k, v in scores.items()},
                                                     "paired": comparison})
     return 0

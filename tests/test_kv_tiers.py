@@ -141,3 +141,35 @@ def test_pinned_staging_copies_exactly_and_reuses_its_buffers():
     on_gpu, on_cpu = kv.on("cuda", staging=staging), kv.on("cpu")
     for a, b in zip(on_gpu, on_cpu):
         assert torch.equal(a.cpu(), b)
+
+
+def test_a_resident_cache_does_not_wait_behind_another_threads_read(tiny_llm, tmp_path):
+    import threading
+
+    builder = PromptBuilder(tiny_llm.tokenizer)
+    store = KVStore(tmp_path, tiny_llm, builder, "float16")
+    first, second = store.add(DOCS[:2], progress=False)
+    pool = DevicePool(torch.device("cpu"), torch.float32, GIB)
+    pool.get(first, lambda: store._read(store.path_for(first), first, None))
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_read():  # a disk read that lasts until the main thread has been served
+        reading.set()
+        assert release.wait(30)
+        return store._read(store.path_for(second), second, None)
+
+    loader = threading.Thread(target=pool.get, args=(second, slow_read))
+    loader.start()
+    assert reading.wait(30)
+    hit = [None]
+    reader = threading.Thread(target=lambda: hit.__setitem__(0, pool.get(first, lambda: None)))
+    reader.start()
+    reader.join(10)
+    served = not reader.is_alive()  # before the slow read finished
+    release.set()
+    loader.join(30)
+    reader.join(30)
+    assert served and hit[0] is not None and second in pool
+    assert pool.counters["hits"] == 1 and pool.counters["misses"] == 2
+    again = pool.get(second, lambda: None)  # resident now: read() is not called
+    assert again is not None and pool.counters["hits"] == 2

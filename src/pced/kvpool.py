@@ -58,21 +58,34 @@ class DevicePool:
     def __init__(self, device: torch.device, dtype: torch.dtype, budget: int, staging: PinnedStaging | None = None):
         self.device, self.dtype, self.budget, self.staging = torch.device(device), dtype, int(budget), staging
         self._entries: OrderedDict[str, DocKV] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the table and counters: held for dictionary work only
+        self._loading = threading.Lock()  # one read + copy at a time (the staging buffers are shared)
         self.bytes = 0
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "bytes_from_host": 0}
 
-    def get(self, key: str, read: Callable[[], DocKV]) -> DocKV:
+    def _hit(self, key: str) -> DocKV | None:
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
                 self._entries.move_to_end(key)
                 self.counters["hits"] += 1
+            return kv
+
+    def get(self, key: str, read: Callable[[], DocKV]) -> DocKV:
+        """A resident cache never waits behind another thread's disk read: the table's lock is not
+        held while a miss reads and copies."""
+        kv = self._hit(key)
+        if kv is not None:
+            return kv
+        with self._loading:
+            kv = self._hit(key)  # loaded by another thread while this one waited
+            if kv is not None:
                 return kv
-            self.counters["misses"] += 1
             stored = read()
-            self.counters["bytes_from_host"] += stored.nbytes
             kv = stored.dense(self.device, self.dtype, self.staging)
+        with self._lock:
+            self.counters["misses"] += 1
+            self.counters["bytes_from_host"] += stored.nbytes
             size = kv.nbytes
             if 0 < size <= self.budget:
                 self._entries[key] = kv

@@ -36,9 +36,9 @@ def second_hop(record: dict, question_relevance: dict[str, float]) -> str | None
 def hop_share(records: list[dict]) -> dict:
     """Per config: mean share of answer tokens won by the second-hop paragraph; how often it was an expert."""
     question_relevance: dict[str, dict[str, float]] = {}
-    for r in records:  # the question-only relevance: the experts of a run without decode-time relevance
-        if "follow" not in r["config"] and r["method"] == "pced":
-            question_relevance[r["example_id"]] = {e["doc_id"]: e["relevance"] for e in r["experts"]}
+    for r in records:  # the question-only relevance of the run's retriever: no decode-time relevance, no --relevance
+        if r["method"] == "pced" and "follow" not in r["config"] and "|rel=" not in r["config"]:
+            question_relevance.setdefault(r["example_id"], {e["doc_id"]: e["relevance"] for e in r["experts"]})
     out: dict[str, dict] = {}
     for r in records:
         if r["method"] != "pced" or r["example_id"] not in question_relevance:

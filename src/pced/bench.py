@@ -87,7 +87,9 @@ def row_tokens(engine: Engine, method: str, lengths: list[int], question: str) -
     return [prefix + sum(lengths) + suffix]  # all and APE: one row over every document
 
 
-def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar, bandwidth: float) -> dict:
+def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar,
+                 bandwidth: float) -> tuple[dict, dict]:
+    """The timings of one document length, and its prompt as token ids for ``peer_inputs``."""
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     # gold first, so every k includes the document that holds the answer
     docs.sort(key=lambda d: d.id not in gold)
@@ -143,14 +145,14 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
                     summary[f"cache_load_{name}_s"] = _median([r["cache_load_s"] for r in extra])
             row[method] = summary
         rows.append(row)
-    peer = {"doc_tokens": doc_tokens, "gold_first": len(gold), "prefix_ids": list(builder.prefix_ids),
+    peer = {"doc_tokens": doc_tokens, "prefix_ids": list(builder.prefix_ids),
             "doc_ids": [list(builder.context_ids([d.render()])) for d in docs],
             "question_ids": list(builder.suffix_ids(question)),
             "scores": [0.8 if d.id in gold else 0.5 for d in docs]}
-    return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows, "peer": peer}
+    return {"doc_tokens": doc_tokens, "storage": storage, "rows": rows}, peer
 
 
-def peer_inputs(llm: LoadedModel, cfg: BenchConfig, lengths: list[dict]) -> dict:
+def peer_inputs(llm: LoadedModel, cfg: BenchConfig, prompts: list[dict]) -> dict:
     """What ``scripts/peer_langchain_pced.py`` needs to time the authors' implementation on exactly
     this run's model, documents and question, in its own environment (it imports nothing of pced)."""
     folder = Path(llm.path)
@@ -160,7 +162,7 @@ def peer_inputs(llm: LoadedModel, cfg: BenchConfig, lengths: list[dict]) -> dict
                   "tokenizer_dir": str(getattr(llm.tokenizer, "name_or_path", "")),
                   "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "seed": cfg.seed},
         "ks": list(cfg.ks), "new_tokens": cfg.new_tokens, "repeats": cfg.repeats,
-        "lengths": [length.pop("peer") for length in lengths],
+        "lengths": prompts,
     }
 
 
@@ -181,10 +183,13 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     bandwidth = copy_bandwidth(llm.device)
     results["copy_bandwidth_gbs"] = bandwidth / 1e9
     results["weight_bytes"] = weight_bytes(llm.model)
+    prompts = []
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
-            results["lengths"].append(bench_length(llm, cfg, doc_tokens, root, bar, bandwidth))
-    atomic_write_json(root / "peer_inputs.json", peer_inputs(llm, cfg, results["lengths"]))
+            length, prompt = bench_length(llm, cfg, doc_tokens, root, bar, bandwidth)
+            results["lengths"].append(length)
+            prompts.append(prompt)
+    atomic_write_json(root / "peer_inputs.json", peer_inputs(llm, cfg, prompts))
     results["storage"] = bench_storage(llm, cfg, root) if cfg.storage_dtypes else []
     results["end_to_end"] = bench_end_to_end(llm, cfg, root, bandwidth) if cfg.long_new_tokens else None
     if cfg.memory:

@@ -62,7 +62,7 @@ class HybridRetriever(BaseRetriever):
         """Fused relevance of every document (what the hybrid ranks by)."""
         s, d = self.component_scores(queries)
         if self.fusion == "rrf":  # ranks are per query
-            return np.stack([fuse_rrf(a, b) for a, b in zip(s, d, strict=True)]) if len(s) else np.zeros((0, len(self)))
+            return np.stack([self._fuse(a, b) for a, b in zip(s, d, strict=True)]) if len(s) else np.zeros((0, len(self)))
         return self._fuse(s, d)
 
     def _fuse(self, sparse_raw: np.ndarray, dense_raw: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.documents import Candidate
 from pced.evaluation.compare import format_comparison, paired_comparison
 from pced.evaluation.config import EvalConfig
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             relevance = {e["doc_id"]: e["relevance"] for e in record["experts"] + record["joined"]}
             candidates = [Candidate(by_id[i], relevance[i]) for i in ids]
             try:
-                answer = ask_candidates(store.engine, candidates, example.question,
+                answer = ask_candidates(store.generator, candidates, example.question,
                                         AskOptions(method="all", sampling=sampling)).answer()
                 prediction, score = answer.text, score_example(run["metric"], answer.text, example)
             except ValueError as exc:  # past the model's window

@@ -9,9 +9,10 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from pced.backends.ape_attention import APE_ATTENTION, ape_attention_forward, ape_merged_attention, check_ape_support
 from pced.methods.ape import APEGeneration, ape_from_store
 from pced.methods.concat import PlainGeneration
-from pced.cache import BufferCache, forward_slots
-from pced.answers import SamplingConfig
-from pced.kvstore import KVStore, encode_documents, encode_prefix
+from pced.kv.buffer import BufferCache, forward_slots
+from pced.sampling import SamplingConfig
+from pced.kv.store import KVStore
+from pced.kv.encode import encode_documents, encode_prefix
 from pced.llm import LoadedModel
 from pced.prompts import PromptBuilder
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.cli import main
 from pced.decoding import DecodingError
 from pced.documents import Candidate, Document
-from pced.kvstore import CacheError, mmap_safetensors, verify_cache_dir
+from pced.kv.format import CacheError, mmap_safetensors, verify_cache_dir
 from pced.store import IndexSettings, index_store
 
 DOCS = [Document("zorblax", "The Zorblax Company makes tidal clocks. It was founded by Mira Quell.", "Zorblax"),
@@ -28,7 +28,7 @@ def store(tmp_path, tiny_llm):
 
 
 def cache_path(store, doc: Document):
-    kv = store.engine.store
+    kv = store.generator.caches
     return kv.path_for(kv.digests([doc.render()])[0])
 
 
@@ -47,7 +47,7 @@ def overwrite(path, values: torch.Tensor) -> None:
 
 def answer(store):
     candidates = [Candidate(d, 0.9 - 0.1 * i) for i, d in enumerate(DOCS)]
-    return store.engine.answer(candidates, QUESTION, sampling=SamplingConfig(max_new_tokens=3))
+    return store.generator.answer(candidates, QUESTION, sampling=SamplingConfig(max_new_tokens=3))
 
 
 def test_intact_caches_carry_a_checksum_and_answer(store):

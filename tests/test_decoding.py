@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration, generate
 from pced.rule import AMATEUR, RuleConfig
 

@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.cli import main
 from pced.cli.common import add_decoding_options, ask_options_from
 from pced.defaults import PAPER_RULE, model_family, resolve_rule
@@ -62,7 +62,7 @@ def embedded_store(tmp_path_factory, embedded_llm):
 def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(embedded_store, capsys):
     from fastapi.testclient import TestClient
 
-    from pced.engine import Engine
+    from pced.generator import Generator
     from pced.pipeline import ask
     from pced.server import create_app
 
@@ -70,8 +70,8 @@ def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(emb
     asked = ask(embedded_store, QUESTION, options)
     library = asked.json()
     assert asked.generation.rule_config.gamma == 32.0  # the embedded SmolLM2's measured default
-    # the Engine API with no rule given resolves the same rule
-    engine_answer = Engine(embedded_store.llm, "rag", embedded_store.root / "kv", "float32").answer(asked.candidates, QUESTION,
+    # the Generator API with no rule given resolves the same rule
+    engine_answer = Generator(embedded_store.llm, "rag", embedded_store.root / "kv", "float32").answer(asked.candidates, QUESTION,
                                                                                                     sampling=options.sampling)
     assert engine_answer.token_ids == asked.answer().token_ids
     # the CLI

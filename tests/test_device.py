@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.methods.ape import APEGeneration
-from pced.kvstore import KVStore
+from pced.kv.store import KVStore
 from pced.methods.concat import PlainGeneration
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.prompts import PromptBuilder
@@ -117,16 +117,16 @@ def test_ape_at_T1_S1_is_concatenation_on_the_device(device_llm):
 def test_int8_and_pooled_caches_on_the_device(device_llm, tmp_path):
     """An int8 store dequantized on the device, through the device pool, gives the same first logits as
     the same store read without a pool (exact: the same arithmetic), within int8's error of fresh ones."""
-    from pced.engine import Engine
+    from pced.generator import Generator
     from pced.documents import Candidate, Document
-    from pced.kvpool import CacheTiers
+    from pced.kv.tiers import CacheTiers
 
     llm = device_llm
     candidates = [Candidate(Document(f"d{i}", text), 0.8) for i, text in enumerate(DOCS)]
     first = []
     for tiers in (CacheTiers(), CacheTiers(gpu_cache_gb=1.0)):
-        engine = Engine(llm, "rag", tmp_path / "int8", "int8", tiers=tiers)
-        generation = engine.stream(candidates, QUESTION, RuleConfig(), SamplingConfig(max_new_tokens=1))
+        generator = Generator(llm, "rag", tmp_path / "int8", "int8", tiers=tiers)
+        generation = generator.stream(candidates, QUESTION, RuleConfig(), SamplingConfig(max_new_tokens=1))
         list(generation)
         first.append(generation.last_logits.float())
     assert torch.equal(first[0], first[1])

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from pced.floor import copy_bandwidth, kv_bytes_per_token, step_bytes, weight_bytes
-from pced.random_model import SHAPES, random_model, shape_of
+from pced.bench.floor import copy_bandwidth, kv_bytes_per_token, step_bytes, weight_bytes
+from pced.bench.random_model import SHAPES, random_model, shape_of
 
 from helpers.cli import run_pced
 
@@ -75,8 +75,8 @@ def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_
     import importlib.util
     from pathlib import Path
 
-    from pced.bench import peer_inputs
-    from pced.bench_config import BenchConfig
+    from pced.bench.run import peer_inputs
+    from pced.bench.config import BenchConfig
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "peer_langchain_pced.py"
     spec = importlib.util.spec_from_file_location("peer_langchain_pced", script)

@@ -5,7 +5,7 @@ the second document's relevance."""
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.backends.rows import ExpertRows
 from pced.documents import Candidate, Document
 from pced.methods.follow import Follow

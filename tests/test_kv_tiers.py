@@ -4,11 +4,12 @@ store answers exactly like the memory-mapped one."""
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
-from pced.engine import Engine
-from pced.kvdata import DocKV, PinnedStaging, quantize_int8
-from pced.kvpool import GIB, CacheTiers, DevicePool
-from pced.kvstore import CacheError, KVStore, verify_cache_dir
+from pced.sampling import SamplingConfig
+from pced.generator import Generator
+from pced.kv.segment import DocKV, PinnedStaging, quantize_int8
+from pced.kv.tiers import GIB, CacheTiers, DevicePool
+from pced.kv.format import CacheError, verify_cache_dir
+from pced.kv.store import KVStore
 from pced.documents import Candidate, Document
 from pced.prompts import PromptBuilder
 from pced.rule import RuleConfig
@@ -116,12 +117,12 @@ def test_pooled_store_answers_exactly_like_the_mapped_one(tiny_llm, tmp_path, st
     candidates = [Candidate(Document(f"d{i}", text), relevance=0.9 - 0.2 * i) for i, text in enumerate(DOCS)]
     answers = []
     for tiers in (CacheTiers(), CacheTiers(gpu_cache_gb=1.0)):
-        engine = Engine(tiny_llm, "rag", tmp_path / storage, storage, tiers=tiers)
+        generator = Generator(tiny_llm, "rag", tmp_path / storage, storage, tiers=tiers)
         for _ in range(2):  # the second question finds every cache in the pool
-            stream = engine.stream(candidates, QUESTION, RuleConfig(), SamplingConfig(max_new_tokens=8, ignore_eos=True))
+            stream = generator.stream(candidates, QUESTION, RuleConfig(), SamplingConfig(max_new_tokens=8, ignore_eos=True))
             tokens = [step.token_id for step in stream]
             answers.append((tokens, stream.last_logits.clone()))
-    assert engine.store.pool.counters["hits"] == len(DOCS) and engine.store.pool.counters["misses"] == len(DOCS)
+    assert generator.caches.pool.counters["hits"] == len(DOCS) and generator.caches.pool.counters["misses"] == len(DOCS)
     reference_tokens, reference_logits = answers[0]
     for tokens, logits in answers[1:]:
         assert tokens == reference_tokens and torch.equal(logits, reference_logits)

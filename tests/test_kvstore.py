@@ -8,9 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.kvstore import CacheError, KVStore, encode_documents, encode_prefix
+from pced.kv.format import CacheError
+from pced.kv.store import KVStore
+from pced.kv.encode import encode_documents, encode_prefix
 from pced.llm import load_model
 from pced.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
 from pced.rule import RuleConfig
@@ -100,7 +102,7 @@ def test_damaged_or_foreign_cache_files_give_clear_errors(tiny_llm, tmp_path):
 
 def test_rows_without_padding_take_the_causal_path_with_the_same_logits(tiny_llm):
     """No [q, total] mask where every slot is real: the logits and the cache equal the masked path's."""
-    from pced.cache import BufferCache, additive_mask, forward_slots
+    from pced.kv.buffer import BufferCache, additive_mask, forward_slots
 
     ids = torch.tensor([list(range(5, 45))])
     positions = torch.arange(40)[None]

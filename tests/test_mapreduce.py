@@ -4,7 +4,7 @@ import pytest
 
 from pced.methods.concat import PlainGeneration
 from pced.methods.mapreduce import MAP_INSTRUCTION, MapReduceGeneration, map_prompt_ids
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.prompts import PromptBuilder
 
 QUESTION = "Which town was the founder born in?"

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.documents import Candidate, Document
-from pced.engine import Engine
+from pced.generator import Generator
 from pced.options import METHODS, AskOptions
 from pced.pipeline import ask_candidates
 
@@ -28,35 +28,35 @@ def stop_everywhere(tiny_llm):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_honours_ignore_eos(method, stop_everywhere, tmp_path):
-    engine = Engine(stop_everywhere, "rag", tmp_path / "kv", "float32")
+    generator = Generator(stop_everywhere, "rag", tmp_path / "kv", "float32")
     candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
     options = AskOptions(method=method, summary_tokens=4)
-    stopped = ask_candidates(engine, candidates, QUESTION, options).answer()
+    stopped = ask_candidates(generator, candidates, QUESTION, options).answer()
     assert stopped.token_ids == [] and stopped.method == method
-    exact = ask_candidates(engine, candidates, QUESTION, dataclasses.replace(
+    exact = ask_candidates(generator, candidates, QUESTION, dataclasses.replace(
         options, sampling=SamplingConfig(max_new_tokens=5, ignore_eos=True))).answer()
     assert len(exact.token_ids) == len(exact.trace) == 5
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path):
-    engine = Engine(tiny_llm, "rag", tmp_path / "kv", "float32")
+    generator = Generator(tiny_llm, "rag", tmp_path / "kv", "float32")
     candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
     options = AskOptions(method=method, summary_tokens=4, sampling=SamplingConfig(max_new_tokens=8))
-    full = ask_candidates(engine, candidates, QUESTION, options).answer()
+    full = ask_candidates(generator, candidates, QUESTION, options).answer()
     assert full.text, "the tiny model should say something"
     stop = full.text.strip()[:3]
-    cut = ask_candidates(engine, candidates, QUESTION, dataclasses.replace(
+    cut = ask_candidates(generator, candidates, QUESTION, dataclasses.replace(
         options, sampling=SamplingConfig(max_new_tokens=8, stop=(stop,)))).answer()
     assert stop not in cut.text and full.text.startswith(cut.text)
     sampled = dataclasses.replace(options, sampling=SamplingConfig(max_new_tokens=8, temperature=1.5, seed=7))
-    first = ask_candidates(engine, candidates, QUESTION, sampled).answer()
-    again = ask_candidates(engine, candidates, QUESTION, sampled).answer()
+    first = ask_candidates(generator, candidates, QUESTION, sampled).answer()
+    again = ask_candidates(generator, candidates, QUESTION, sampled).answer()
     assert first.token_ids == again.token_ids
 
 
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
-    from pced.bench import BenchConfig, run_bench, secret_code_documents
+    from pced.bench.run import BenchConfig, run_bench, secret_code_documents
     from pced.prompts import RAG_TEMPLATE
 
     config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5,
@@ -74,9 +74,9 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     peer = json.loads((tmp_path / "bench" / "peer_inputs.json").read_text())
     length = peer["lengths"][0]
     assert peer["ks"] == [2, 3] and len(length["doc_ids"]) == 3 and length["scores"][0] == 0.8
-    engine = Engine(tiny_llm, RAG_TEMPLATE, tmp_path / "bench" / "kv-L24-float16", "float16")
+    generator = Generator(tiny_llm, RAG_TEMPLATE, tmp_path / "bench" / "kv-L24-float16", "float16")
     docs, question, gold = secret_code_documents(tiny_llm, 3, 24, config.seed)
     gold_doc = next(d for d in docs if d.id in gold)
     assert length["prefix_ids"] + length["doc_ids"][0] + length["question_ids"] == \
-        engine.builder.prompt_ids([gold_doc.render()], question)
+        generator.builder.prompt_ids([gold_doc.render()], question)
     assert "peer" not in results["lengths"][0]

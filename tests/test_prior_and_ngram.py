@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.cli import main
 from pced.decoding import Generation, PlainScoring, ban_repeated_ngrams
 from pced.defaults import resolve_rule
@@ -391,7 +391,7 @@ def test_server_takes_prior_and_ngram_in_the_pced_object(tiny_llm, tmp_path_fact
             refused = client.post("/v1/pced/answer", json={"question": QUESTION, **bad})
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value", (bad, refused.text)
     candidates = [Candidate(Document(d["id"], d["text"], ""), d["score"], {"given": d["score"]}) for d in documents]
-    direct = make_generation(store.engine, "pced", candidates, QUESTION, RuleConfig(prior="standardized"),
+    direct = make_generation(store.generator, "pced", candidates, QUESTION, RuleConfig(prior="standardized"),
                              SamplingConfig(max_new_tokens=16, no_repeat_ngram=2)).answer()
     assert response.json()["answer"] == direct.text
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from pced.answers import answer_json  # noqa: E402
 from pced.methods import make_generation  # noqa: E402
 from pced.rule import RuleConfig  # noqa: E402
-from pced.answers import SamplingConfig  # noqa: E402
+from pced.sampling import SamplingConfig  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
 from helpers.server import QUESTION, sse_chunks, tiny_store  # noqa: E402
 
@@ -33,7 +33,7 @@ def client(store):
 
 def direct_answer(store, question, top_k, max_tokens):
     candidates = store.retrieve(question, top_k=top_k)
-    answer = make_generation(store.engine, "pced", candidates, question, RuleConfig(),
+    answer = make_generation(store.generator, "pced", candidates, question, RuleConfig(),
                              SamplingConfig(max_new_tokens=max_tokens)).answer()
     return answer_json(answer, candidates)
 
@@ -197,7 +197,7 @@ def test_unexpected_failures_are_500_without_details_and_queue_limits_503(store,
 
 
 def test_health_reports_the_device_pool_it_answers_from(tmp_path_factory, tiny_llm):
-    from pced.kvpool import CacheTiers
+    from pced.kv.tiers import CacheTiers
     from pced.store import DocumentStore
 
     store = DocumentStore.open(tiny_store(tmp_path_factory, tiny_llm).root, tiny_llm, tiers=CacheTiers(gpu_cache_gb=0.5))

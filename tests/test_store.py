@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pced.corpus import read_corpus
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.documents import Document
 from pced.store import DocumentStore, IndexSettings, StoreError, index_store
 
@@ -95,7 +95,7 @@ def test_long_documents_are_chunked_and_logged(tmp_path, tiny_llm, caplog):
     assert report["chunked"] == ["long"]
     chunk_ids = [d.id for d in store.documents if d.id.startswith("long#")]
     assert len(chunk_ids) >= 3
-    builder = store.engine.builder
+    builder = store.generator.builder
     assert all(len(builder.context_ids([d.render()])) <= 128 for d in store.documents)
     assert " ".join(d.text for d in store.documents if d.id.startswith("long#")) == long_text
     assert "split into" in caplog.text
@@ -128,10 +128,10 @@ def test_lazy_kv_store_encodes_a_document_the_first_time_it_is_retrieved(tmp_pat
     assert report["kv_encoded"] == 0 and kv_files(tmp_path / "s") == []
     found = store.retrieve("Where was Mira Quell born?", "sparse", top_k=1)
     assert found[0].document.id == "quell"
-    lazy = store.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
+    lazy = store.generator.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
     assert len(kv_files(tmp_path / "s")) == 1  # only the retrieved document
     eager, _ = index_store(docs, tmp_path / "e", settings, llm=tiny_llm, progress=False)
-    again = eager.engine.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
+    again = eager.generator.answer(found, "Where was Mira Quell born?", sampling=SamplingConfig(max_new_tokens=4))
     assert lazy.token_ids == again.token_ids
 
 

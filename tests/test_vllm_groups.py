@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.backends.vllm.groups import GroupMember, GroupState, Row, apply_groups
 from pced.backends.vllm.processor import GROUPS, PCEDLogitsProcessor, PCEDLogitsProcessorV2, check_params
-from pced.kvstore import encode_documents, encode_prefix
+from pced.kv.encode import encode_documents, encode_prefix
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.prompts import PromptBuilder
 from pced.rule import AMATEUR, ContrastiveRule, RuleConfig

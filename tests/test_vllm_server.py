@@ -65,7 +65,7 @@ def server(store_dir, tmp_path_factory):
 
 def reference(store_dir, question: str, method: str = "pced") -> str:
     """The transformers backend's answer, in this process."""
-    from pced.answers import SamplingConfig
+    from pced.sampling import SamplingConfig
     from pced.options import AskOptions
     from pced.pipeline import ask
     from pced.store import DocumentStore

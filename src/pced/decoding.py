@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .answers import Answer, SamplingConfig, Step
+from .answers import Answer, Step
+from .sampling import SamplingConfig
 from .detokenize import TextTracker
 from .rule import AMATEUR, ContrastiveRule, RuleConfig
 

@@ -4,7 +4,7 @@ override for the model's family, then whatever the caller set explicitly.
 The paper fixes raw-logit scores, dynamic beta, gamma = 2.5 and max aggregation for 8B-13B
 models. ``MODEL_FAMILY_RULES`` overrides a setting for a model family only where our own
 evaluation on real data (README "Results") showed the paper's choice losing; ``paper=True``
-(``--paper-defaults``) always restores the paper's rule. The library (``Engine``, ``ask``), the
+(``--paper-defaults``) always restores the paper's rule. The library (``Generator``, ``ask``), the
 CLI, the server and ``pced eval`` all call ``resolve_rule``.
 """
 

@@ -14,14 +14,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .answers import SamplingConfig
+from .sampling import SamplingConfig
 from .defaults import resolve_rule
 from .rule import Beta, RuleConfig
 
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert", "hybrid-mean", "hybrid-rrf")  # hybrid-*: other fusions of the same indexes
 BACKENDS = ("transformers", "vllm")
-STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kvdata
+STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kv.segment
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
 # and every question character is prefilled for every row).

@@ -1,5 +1,5 @@
 """One question pipeline: ``ask(store, question, options)`` retrieves, prunes and starts the method;
-``ask_candidates(engine, candidates, question, options)`` is its lower half, for given documents.
+``ask_candidates(generator, candidates, question, options)`` is its lower half, for given documents.
 
 ``pced ask``, ``pced demo``, ``pced generate``, the server, ``pced eval`` and ``pced bench`` all go
 through here, so they resolve the same rule (``AskOptions.rule``), prune the same way and build
@@ -58,25 +58,25 @@ class Asked:
         return answer_json(answer, self.candidates + list(getattr(self.generation, "joined", [])), self.retrieval_s)
 
 
-def ask_candidates(engine, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
+def ask_candidates(generator, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
                    retrieval_s: float = 0.0, retrieve: Callable[[str], list[Candidate]] | None = None) -> Asked:
-    """Answer over given candidates with ``engine`` (a ``pced.engine.Engine``). Decode-time
+    """Answer over given candidates with ``generator`` (a ``pced.generator.Generator``). Decode-time
     relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
     (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
-    rule = options.rule(engine.llm)
+    rule = options.rule(generator.llm)
     candidates = list(candidates)
     if options.method == "pced":
         candidates = prune_candidates(candidates, rule.gamma, options.max_experts, options.prune_margin)
     if options.backend == "vllm":
         from .backends.vllm.engine import VLLMGeneration, shared_engine
 
-        generation = VLLMGeneration(shared_engine(engine.llm.path, options.vllm), engine.llm, engine.builder, candidates,
+        generation = VLLMGeneration(shared_engine(generator.llm.path, options.vllm), generator.llm, generator.builder, candidates,
                                     question, rule, options.sampling)
     else:
-        generation = make_generation(engine, options.method, candidates, question, rule, options.sampling,
+        generation = make_generation(generator, options.method, candidates, question, rule, options.sampling,
                                      options.ape_temperature, options.ape_scale, options.summary_tokens,
-                                     follow_for(retrieve, engine, question, options))
+                                     follow_for(retrieve, generator, question, options))
     return Asked(question, candidates, retrieval_s, generation)
 
 
@@ -94,10 +94,10 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
 
     started = time.perf_counter()
     candidates = rank(question, options.top_k)
-    return ask_candidates(store.engine, candidates, question, options, time.perf_counter() - started, rank)
+    return ask_candidates(store.generator, candidates, question, options, time.perf_counter() - started, rank)
 
 
-def follow_for(retrieve, engine, question: str, options: AskOptions):
+def follow_for(retrieve, generator, question: str, options: AskOptions):
     """PCED's decode-time relevance for ``options`` (None when off or not PCED)."""
     if options.method != "pced" or not (options.rescore or options.max_joins):
         return None
@@ -105,4 +105,4 @@ def follow_for(retrieve, engine, question: str, options: AskOptions):
         raise ValueError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
     from .methods.follow import Follow
 
-    return Follow(question, retrieve, engine.load, options.top_k, options.rescore, options.max_joins)
+    return Follow(question, retrieve, generator.load, options.top_k, options.rescore, options.max_joins)

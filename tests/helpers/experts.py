@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def encode_setup(llm, docs):
     """(llm, builder, prefix cache, [document cache]) for ``docs`` under the RAG template."""
-    from pced.kvstore import encode_documents, encode_prefix
+    from pced.kv.encode import encode_documents, encode_prefix
     from pced.prompts import PromptBuilder
 
     builder = PromptBuilder(llm.tokenizer)

@@ -5,7 +5,7 @@ backend and the vLLM backend; print one JSON line per question with both answers
 import json
 import sys
 
-from pced.answers import SamplingConfig
+from pced.sampling import SamplingConfig
 from pced.backends.vllm.engine import shared_engine
 from pced.options import VLLMSettings
 from pced.options import AskOptions
@@ -16,7 +16,7 @@ store_dir, questions_file, settings_json = sys.argv[1:4]
 store = DocumentStore.open(store_dir)
 settings = VLLMSettings(**json.loads(settings_json))
 engine = shared_engine(store.llm.path, settings)  # first: before retrieval imports its libraries
-print(json.dumps({"warm_up_tokens": engine.warm_up(store.engine.builder, [d.render() for d in store.documents])}),
+print(json.dumps({"warm_up_tokens": engine.warm_up(store.generator.builder, [d.render() for d in store.documents])}),
       flush=True)
 for question in json.loads(open(questions_file).read()):
     base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32), vllm=settings)

@@ -51,8 +51,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache import BufferCache, forward_slots
-from ..kvstore import DocKV
+from ..kv.buffer import BufferCache, forward_slots
+from ..kv.segment import DocKV
 from ..llm import LoadedModel
 from .rows import CachedRows
 

@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..cache import BufferCache, forward_slots
-from ..kvstore import DocKV
+from ..kv.buffer import BufferCache, forward_slots
+from ..kv.segment import DocKV
 from ..llm import LoadedModel
 
 

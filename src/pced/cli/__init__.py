@@ -42,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ..corpus import CorpusError
     from ..decoding import DecodingError
-    from ..kvstore import CacheError
+    from ..kv.format import CacheError
     from ..llm import ModelLoadError
     from ..prompts import PromptError
     from ..store import StoreError
 
-    from ..threads import configure_threads
+    from .threads import configure_threads
 
     parser = build_parser()
     args = parser.parse_args(argv)

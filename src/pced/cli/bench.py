@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench_config import BenchConfig
+from ..bench.config import BenchConfig
 from ..options import STORAGE_DTYPES
 from .common import add_backend_options
 
@@ -54,7 +54,7 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench import run_bench
+    from ..bench.run import run_bench
     from ..llm import load_model
     from .common import InputError, vllm_settings_from
 
@@ -73,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.random_model is not None:
         from dataclasses import replace
 
-        from ..random_model import random_model
+        from ..bench.random_model import random_model
 
         if args.model is not None:
             raise InputError("--model and --random-model are alternatives: give one")
@@ -94,7 +94,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from None
         from ..backends.vllm.engine import shared_engine
-        from ..bench_vllm import run_vllm_bench
+        from ..bench.vllm import run_vllm_bench
 
         shared_engine(llm.path, settings)  # before anything imports the retrieval libraries (vLLM 0.32 scans them)
         run_vllm_bench(llm, config, settings)

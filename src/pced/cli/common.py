@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..answers import SamplingConfig
-from ..kvpool import CacheTiers
+from ..sampling import SamplingConfig
+from ..kv.tiers import CacheTiers
 from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions, VLLMSettings
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 

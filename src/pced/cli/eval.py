@@ -10,7 +10,7 @@ import argparse
 import logging
 import math
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..evaluation.config import EvalConfig
 from ..options import STORAGE_DTYPES, AskOptions
 from .common import InputError, add_model_options

@@ -54,17 +54,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_question(args.question)
     options = ask_options_from(args)
     tiers = tiers_from(args)
-    from ..engine import Engine
+    from ..generator import Generator
     from ..llm import load_model
     from ..pipeline import ask_candidates
 
-    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype,
+    generator = Generator(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype,
                     tiers)
-    asked = ask_candidates(engine, candidates, args.question, options)
+    asked = ask_candidates(generator, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))
         return 0
-    from ..render import stream_answer
+    from .render import stream_answer
 
     stream_answer(asked.generation, asked.candidates, args.question)
     return 0

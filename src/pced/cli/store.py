@@ -8,7 +8,7 @@ import logging
 import sys
 from importlib import resources
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
 from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
                      ask_options_from, open_store)
@@ -67,7 +67,7 @@ def add_verify_parser(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..kvstore import verify_cache_dir
+    from ..kv.format import verify_cache_dir
     from ..store import DocumentStore
 
     store = DocumentStore.open(args.store)  # also checks documents.jsonl against the retriever indexes
@@ -116,11 +116,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         answer = asked.answer()
         print(json.dumps(asked.json(), ensure_ascii=False))
     else:
-        from ..render import stream_answer
+        from .render import stream_answer
 
         answer = stream_answer(asked.generation, asked.candidates, args.question)
     if args.trace_png:
-        from ..trace_plot import save_trace_png
+        from .trace_plot import save_trace_png
 
         png = save_trace_png(answer, asked.candidates, args.trace_png, title=args.question)
         print(f"pced: trace picture saved to {png}", file=sys.stderr)
@@ -134,9 +134,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..corpus import read_corpus
     from ..llm import cache_root
     from ..pipeline import ask
-    from ..render import stream_answer
+    from .render import stream_answer
     from ..store import DocumentStore, IndexSettings, StoreError, index_store
-    from ..trace_plot import save_trace_png
+    from .trace_plot import save_trace_png
 
     console = Console(highlight=False)
     root = cache_root() / f"demo-store-{__version__}"

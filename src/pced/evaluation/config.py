@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Sequence
 
-from pced.answers import SamplingConfig
-from pced.kvpool import CacheTiers
+from pced.sampling import SamplingConfig
+from pced.kv.tiers import CacheTiers
 from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 

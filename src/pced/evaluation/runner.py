@@ -46,7 +46,7 @@ RUN_IDENTITY = ("dataset", "setting", "model", "max_new_tokens", "seed", "bge_m3
 # --------------------------------------------------------------------------- one answer
 
 
-def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
+def evaluate_one(generator, dataset: Dataset, example: Example, run: RunConfig,
                  candidates: list[Candidate], sampling, retrieval_s: float, backend: str = "transformers",
                  retrieve=None) -> dict:
     """Generate, score and describe one (example, config) pair as a results.jsonl record."""
@@ -67,7 +67,7 @@ def evaluate_one(engine, dataset: Dataset, example: Example, run: RunConfig,
         sampling = replace(sampling, no_repeat_ngram=run.no_repeat_ngram)
         options = AskOptions(method=run.method, sampling=sampling, backend=backend if run.method == "pced" else "transformers",
                              **rule, **run.ask_fields())
-        asked = ask_candidates(engine, candidates, example.question, options, retrieve=retrieve if run.follow else None)
+        asked = ask_candidates(generator, candidates, example.question, options, retrieve=retrieve if run.follow else None)
         answer = asked.answer()
     except (ValueError, torch.cuda.OutOfMemoryError) as exc:  # e.g. "all" past the context window
         record["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -163,7 +163,7 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
     """Answer every (example, config) pair of ``todo``, appending each record as it finishes."""
     from tqdm.auto import tqdm
 
-    from pced.answers import SamplingConfig
+    from pced.sampling import SamplingConfig
 
     total = sum(len(runs) for _, runs in todo)
     print(f"pced: {total} answers to compute ({len(todo)} examples; {n_done} already in {results})", flush=True)
@@ -182,9 +182,9 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             lists = source.candidates(example, sorted({run.top_k for run in runs}), {run.relevance for run in runs})
             retrieval_s = time.perf_counter() - started
             # KV caches are built offline in the paper: encode this example's new ones before any clock starts
-            store.engine.store.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
+            store.generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
             for run in runs:
-                record = evaluate_one(store.engine, dataset, example, run, lists[run.top_k, run.relevance],
+                record = evaluate_one(store.generator, dataset, example, run, lists[run.top_k, run.relevance],
                                       sampling, retrieval_s, config.backend, source.again(example))
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")

@@ -91,7 +91,7 @@ def safe_name(name: str) -> str:
 def prepare_store(config: EvalConfig, dataset: Dataset, llm, model_setting: str):
     """Open the dataset's store under the work dir, building or extending it when it lacks documents;
     its caches are kept as ``config.gpu_cache_gb`` says."""
-    from pced.kvpool import CacheTiers
+    from pced.kv.tiers import CacheTiers
 
     store = _open_or_index(config, dataset, llm, model_setting)
     store.use_tiers(CacheTiers(gpu_cache_gb=config.gpu_cache_gb))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..decoding import Generation
 from ..documents import Candidate
 from ..options import AskOptions, check_method
@@ -18,7 +18,7 @@ __all__ = ["make_generation", "check_method"]
 
 
 def make_generation(
-    engine,
+    generator,
     method: str,
     candidates: Sequence[Candidate],
     question: str,
@@ -29,22 +29,22 @@ def make_generation(
     summary_tokens: int = AskOptions.summary_tokens,
     follow=None,
 ) -> Generation:
-    """``method`` over ``candidates`` with ``engine`` (a ``pced.engine.Engine``); ``rule`` None is the
+    """``method`` over ``candidates`` with ``generator`` (a ``pced.generator.Generator``); ``rule`` None is the
     model family's rule (``pced.defaults.resolve_rule``); ``follow`` (PCED only) is decode-time
     relevance (``methods.follow``)."""
     check_method(method)
     texts = [c.document.render() for c in candidates]
     if method == "pced":
-        return engine.stream(candidates, question, rule, sampling, follow)
+        return generator.stream(candidates, question, rule, sampling, follow)
     if method in ("all", "single"):
         from .concat import PlainGeneration
 
         chosen = texts if method == "all" else texts[:1]
-        return PlainGeneration(engine.llm, engine.builder.prompt_ids(chosen, question), sampling, method=method)
+        return PlainGeneration(generator.llm, generator.builder.prompt_ids(chosen, question), sampling, method=method)
     if method == "ape":
         from .ape import ape_from_store
 
-        return ape_from_store(engine.llm, engine.store, texts, question, sampling, ape_temperature, ape_scale)
+        return ape_from_store(generator.llm, generator.caches, texts, question, sampling, ape_temperature, ape_scale)
     from .mapreduce import MapReduceGeneration
 
-    return MapReduceGeneration(engine.llm, engine.builder, texts, question, sampling, summary_tokens)
+    return MapReduceGeneration(generator.llm, generator.builder, texts, question, sampling, summary_tokens)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..backends.ape_attention import APERows, DocumentCache
 from ..decoding import Generation, PlainScoring
-from ..kvstore import DocKV, KVStore
+from ..kv.segment import DocKV
+from ..kv.store import KVStore
 from ..llm import LoadedModel
 from ..options import AskOptions
 

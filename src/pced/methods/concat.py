@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..backends.rows import PlainRows
 from ..decoding import Generation, PlainScoring
 from ..llm import LoadedModel

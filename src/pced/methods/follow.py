@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..documents import Candidate
-from ..kvstore import DocKV
+from ..kv.segment import DocKV
 
 MODES = ("off", "rescore", "join", "rescore+join")  # pced eval --follow
 

@@ -29,7 +29,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..answers import SamplingConfig, Step
+from ..sampling import SamplingConfig
+from ..answers import Step
 from ..backends.rows import PlainRows
 from ..decoding import Generation, PlainScoring
 from ..llm import LoadedModel

@@ -7,12 +7,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..answers import Answer, SamplingConfig
+from ..answers import Answer
+from ..sampling import SamplingConfig
 from ..backends.rows import ExpertRows
 from ..decoding import ContrastiveScoring, Generation
 from ..documents import Candidate
 from ..defaults import resolve_rule
-from ..kvstore import DocKV
+from ..kv.segment import DocKV
 from ..llm import LoadedModel
 from ..rule import RuleConfig
 from .follow import Follow

@@ -15,7 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..answers import SamplingConfig
+from ..sampling import SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)

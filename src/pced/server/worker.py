@@ -26,7 +26,7 @@ from ..answers import Answer
 from ..decoding import DecodingError
 from ..documents import Candidate
 from ..pipeline import ask, ask_candidates
-from ..kvstore import CacheError
+from ..kv.format import CacheError
 from ..options import VLLMSettings
 from ..store import StoreError
 from .schemas import Job, Limits, RequestError
@@ -95,16 +95,16 @@ class Worker:
             from ..backends.vllm.engine import shared_engine
 
             self.engine = shared_engine(self.store.llm.path, self.vllm)
-            report["warm_up_tokens"] = self.engine.warm_up(self.store.engine.builder,
+            report["warm_up_tokens"] = self.engine.warm_up(self.store.generator.builder,
                                                            [d.render() for d in self.store.documents])
             report.update(engine_start_s=self.engine.start_s, warm_up_s=self.engine.warm_up_s)
-        self.store.engine.store.prefix()
+        self.store.generator.caches.prefix()
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report
 
     def pool_health(self) -> dict | None:
         """The device tier's budget, bytes held and hits (None without --gpu-cache-gb on a CPU model)."""
-        pool = self.store.engine.store.pool
+        pool = self.store.generator.caches.pool
         return None if pool is None else pool.stats()
 
     def backend_health(self) -> dict:
@@ -177,7 +177,7 @@ class Worker:
                     asked = ask(self.store, job.question, job.options)
                 else:
                     self._check_lengths(job.candidates)
-                    asked = ask_candidates(self.store.engine, job.candidates, job.question, job.options)
+                    asked = ask_candidates(self.store.generator, job.candidates, job.question, job.options)
             generation = asked.generation
             steps = iter(generation)
             first = next(steps, None)  # the prefill: its errors still reach the client as a status code

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from ..documents import Candidate, Document
-from ..engine import Engine
-from ..kvpool import CacheTiers
+from ..generator import Generator
+from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
 from ..options import AskOptions
 from .layout import DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
@@ -19,13 +19,13 @@ class DocumentStore:
     """Open with ``DocumentStore.open(dir)``; build or extend with ``pced.store.index_store``."""
 
     def __init__(self, root: Path, manifest: dict, documents: list[Document], llm: LoadedModel | None = None,
-                 engine: Engine | None = None, tiers: CacheTiers = CacheTiers()):
+                 generator: Generator | None = None, tiers: CacheTiers = CacheTiers()):
         self.root, self.manifest, self.documents, self.tiers = root, manifest, documents, tiers
         self.settings = IndexSettings(**manifest["settings"])
-        self._llm, self._engine, self._retrievers, self._reranker = llm, engine, {}, None
+        self._llm, self._generator, self._retrievers, self._reranker = llm, generator, {}, None
 
     @classmethod
-    def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, engine: Engine | None = None,
+    def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, generator: Generator | None = None,
              tiers: CacheTiers = CacheTiers()) -> "DocumentStore":
         """``tiers``: where document caches are kept between questions (``--gpu-cache-gb``)."""
         from ..retrieval.base import load_doc_ids
@@ -43,7 +43,7 @@ class DocumentStore:
             raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
         if manifest.get("format") != FORMAT:
             raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
-        store = cls(root, manifest, documents, llm if llm is not None else getattr(engine, "llm", None), engine, tiers)
+        store = cls(root, manifest, documents, llm if llm is not None else getattr(generator, "llm", None), generator, tiers)
         if store._llm is not None:
             store.check_model(store._llm)
         ids = [d.id for d in documents]
@@ -63,7 +63,7 @@ class DocumentStore:
     def use_tiers(self, tiers: CacheTiers) -> None:
         """Keep document caches as ``tiers`` says from now on (a new, empty device pool)."""
         self.tiers = tiers
-        self._engine = None
+        self._generator = None
 
     # -- components (loaded on first use) -------------------------------------------------------
     @property
@@ -74,11 +74,11 @@ class DocumentStore:
         return self._llm
 
     @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = Engine(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype,
+    def generator(self) -> Generator:
+        if self._generator is None:
+            self._generator = Generator(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype,
                                   self.tiers)
-        return self._engine
+        return self._generator
 
     def retriever(self, name: str = AskOptions.retriever):
         from ..retrieval.compose import open_retriever

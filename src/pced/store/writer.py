@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import __version__
 from ..corpus import chunk_corpus
 from ..documents import Document
-from ..engine import Engine
+from ..generator import Generator
 from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries, swap_directory
 from ..llm import LoadedModel, load_model
 from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover,
@@ -52,14 +52,14 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     llm = llm or load_model(settings.model_path)
     if previous is not None:
         previous.check_model(llm)
-    engine = Engine(llm, settings.template, root / "kv", settings.storage_dtype)
-    engine.store.remove_stale_temporaries()
+    generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype)
+    generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
-    corpus, chunked = chunk_corpus(corpus, lambda text: len(engine.builder.encode(text)), limit)
+    corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
     merged, added, updated = merge_documents(previous.documents if previous else [], corpus)
     started = time.perf_counter()
     if encode_kv:
-        engine.store.add([d.render() for d in merged], progress=progress)
+        generator.caches.add([d.render() for d in merged], progress=progress)
     kv_s = time.perf_counter() - started
     started = time.perf_counter()
     base = root / RETRIEVERS_DIR
@@ -75,18 +75,18 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": asdict(settings),
         "model": {"name": llm.name, "path": llm.path, "fingerprint": llm.fingerprint, "tokenizer_hash": llm.tokenizer_hash},
-        "template_hash": engine.builder.digest(),
+        "template_hash": generator.builder.digest(),
         "documents": len(merged),
         "chunked": sorted(set((previous.manifest.get("chunked", []) if previous else []) + chunked)),
         "retrievers": describe_indexes(base, settings.bge_m3),
     }
     atomic_write_json(root / MANIFEST, manifest)
     # caches of documents the store no longer holds (replaced texts, a killed run's leftovers)
-    orphans = engine.store.remove_unreferenced(engine.store.digests([d.render() for d in merged]))
+    orphans = generator.caches.remove_unreferenced(generator.caches.digests([d.render() for d in merged]))
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-              "kv_encoded": engine.store.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
+              "kv_encoded": generator.caches.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
               "kv_orphans_removed": orphans}
-    return DocumentStore.open(root, engine=engine), report
+    return DocumentStore.open(root, generator=generator), report
 
 
 def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ...answers import SamplingConfig
+from ...sampling import SamplingConfig
 from ...decoding import Generation
 from ...documents import Candidate
 from ...options import VLLMSettings

@@ -18,18 +18,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .answers import SamplingConfig
-from .bench_config import BenchConfig
-from .bench_report import markdown_report, plot
-from .documents import Candidate, Document
-from .engine import Engine
+from ..sampling import SamplingConfig
+from .config import BenchConfig
+from .report import markdown_report, plot
+from ..documents import Candidate, Document
+from ..generator import Generator
 from .floor import copy_bandwidth, decode_floor_s, weight_bytes
-from .fs import atomic_write_json, atomic_write_text
-from .kvpool import CacheTiers
-from .llm import LoadedModel
-from .options import AskOptions
-from .pipeline import ask_candidates
-from .prompts import RAG_TEMPLATE
+from ..fs import atomic_write_json, atomic_write_text
+from ..kv.tiers import CacheTiers
+from ..llm import LoadedModel
+from ..options import AskOptions
+from ..pipeline import ask_candidates
+from ..prompts import RAG_TEMPLATE
 
 
 RESIDENT_GB = 1024.0  # "keep everything": the bench's documents always fit a device that can run them
@@ -58,29 +58,29 @@ def _run(generation) -> dict:
     return t
 
 
-def bench_engine(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str,
-                 tiers: CacheTiers = CacheTiers()) -> Engine:
-    """The engine over the bench's KV store for documents of ``doc_tokens`` tokens (RAG template)."""
-    return Engine(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype, tiers)
+def bench_generator(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str,
+                 tiers: CacheTiers = CacheTiers()) -> Generator:
+    """The generator over the bench's KV store for documents of ``doc_tokens`` tokens (RAG template)."""
+    return Generator(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype, tiers)
 
 
-def start(engine: Engine, method: str, docs: list[Document], gold: list[str], question: str, sampling: SamplingConfig):
+def start(generator: Generator, method: str, docs: list[Document], gold: list[str], question: str, sampling: SamplingConfig):
     """One answer through the question pipeline: the gold document gets relevance 0.8, the others 0.5."""
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
-    return ask_candidates(engine, candidates, question, AskOptions(method=method, sampling=sampling)).generation
+    return ask_candidates(generator, candidates, question, AskOptions(method=method, sampling=sampling)).generation
 
 
 def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: int) -> tuple[list[Document], str, list[str]]:
-    from .evaluation.secret_code import make_secret_code
+    from ..evaluation.secret_code import make_secret_code
 
     dataset = make_secret_code(llm.tokenizer, n_docs=n_docs, doc_tokens=doc_tokens, seed=seed)
     example = dataset.examples[0]
     return list(example.documents), example.question, list(example.gold_doc_ids)
 
 
-def row_tokens(engine: Engine, method: str, lengths: list[int], question: str) -> list[int]:
+def row_tokens(generator: Generator, method: str, lengths: list[int], question: str) -> list[int]:
     """Tokens each row of ``method`` attends to at its first decode step (for the bandwidth floor)."""
-    builder = engine.builder
+    builder = generator.builder
     prefix, suffix = len(builder.prefix_ids), len(builder.suffix_ids(question))
     if method == "pced":
         return [prefix + len(builder.suffix_ids(question, with_context=False))] + [prefix + n + suffix for n in lengths]
@@ -93,12 +93,12 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     # gold first, so every k includes the document that holds the answer
     docs.sort(key=lambda d: d.id not in gold)
-    engine = bench_engine(llm, root, doc_tokens, cfg.storage_dtype)
-    # the same store with every cache kept on the model's device (pced.kvpool): PCED's TTFT with
+    generator = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
+    # the same store with every cache kept on the model's device (pced.kv.tiers): PCED's TTFT with
     # resident caches, the floor of what --gpu-cache-gb buys
-    resident = bench_engine(llm, root, doc_tokens, cfg.storage_dtype, CacheTiers(gpu_cache_gb=RESIDENT_GB)) \
+    resident = bench_generator(llm, root, doc_tokens, cfg.storage_dtype, CacheTiers(gpu_cache_gb=RESIDENT_GB)) \
         if cfg.resident else None
-    store, builder = engine.store, engine.builder
+    store, builder = generator.caches, generator.builder
     started = time.perf_counter()
     digests = store.add([d.render() for d in docs], progress=False)
     index_s = time.perf_counter() - started
@@ -125,19 +125,19 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
             for _ in range(cfg.repeats):
                 if method == "all" and llm.max_context and context_tokens + cfg.new_tokens > llm.max_context:
                     break
-                runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
+                runs.append(_run(start(generator, method, chosen, gold, question, sampling)))
                 if method == "pced" and resident is not None:
                     resident_runs.append(_run(start(resident, method, chosen, gold, question, sampling)))
                 if method == "pced" and cfg.cold:
                     evict_from_page_cache(chosen_files)
-                    cold_runs.append(_run(start(engine, method, chosen, gold, question, sampling)))
+                    cold_runs.append(_run(start(generator, method, chosen, gold, question, sampling)))
                 bar.update(1)
             if not runs:
                 row[method] = None  # does not fit the model's window
                 bar.update(cfg.repeats)
                 continue
             summary = {key: _median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], (int, float))}
-            summary["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(engine, method, doc_lengths[:k], question),
+            summary["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(generator, method, doc_lengths[:k], question),
                                                        bandwidth)
             for name, extra in (("resident", resident_runs), ("cold", cold_runs)):
                 if extra:
@@ -213,15 +213,15 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
             import shutil
 
             shutil.rmtree(folder)
-        engine = Engine(llm, RAG_TEMPLATE, folder, dtype)
-        store = engine.store
+        generator = Generator(llm, RAG_TEMPLATE, folder, dtype)
+        store = generator.caches
         store.prefix()
         started = time.perf_counter()
         digests = store.add([d.render() for d in docs], progress=False)
         seconds = time.perf_counter() - started
         tokens = sum(store.load(h).n_tokens for h in digests)
         size = sum(store.path_for(h).stat().st_size for h in digests)
-        runs = [_run(start(engine, "pced", docs, gold, question, sampling)) for _ in range(cfg.repeats + 1)][1:]
+        runs = [_run(start(generator, "pced", docs, gold, question, sampling)) for _ in range(cfg.repeats + 1)][1:]
         rows.append({"dtype": dtype, "documents": n_docs, "tokens": tokens, "bytes": size, "bytes_per_token": size / tokens,
                      "index_s": seconds, "tokens_per_s": tokens / seconds,
                      "pced_ttft_s": _median([r["ttft_s"] for r in runs]),
@@ -234,21 +234,21 @@ def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path, bandwidth: 
     L = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), L, cfg.seed)
     docs.sort(key=lambda d: d.id not in gold)
-    engine = bench_engine(llm, root, L, cfg.storage_dtype)
-    builder = engine.builder
+    generator = bench_generator(llm, root, L, cfg.storage_dtype)
+    builder = generator.builder
     sampling = SamplingConfig(max_new_tokens=cfg.long_new_tokens, ignore_eos=True)
     fitting = [k for k in cfg.ks if not llm.max_context or
                len(builder.prompt_ids([d.render() for d in docs[:k]], question)) + cfg.long_new_tokens <= llm.max_context]
     k = max(fitting) if fitting else min(cfg.ks)
     chosen = docs[:k]
     out = {"k": k, "doc_tokens": L, "new_tokens": cfg.long_new_tokens}
-    out["pced"] = _run(start(engine, "pced", chosen, gold, question, sampling))
+    out["pced"] = _run(start(generator, "pced", chosen, gold, question, sampling))
     if fitting:
-        out["all"] = _run(start(engine, "all", chosen, gold, question, sampling))
+        out["all"] = _run(start(generator, "all", chosen, gold, question, sampling))
     lengths = [len(builder.context_ids([d.render()])) for d in chosen]
     for method in ("pced", "all"):
         if out.get(method):
-            out[method]["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(engine, method, lengths, question), bandwidth)
+            out[method]["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(generator, method, lengths, question), bandwidth)
     return out
 
 
@@ -278,13 +278,13 @@ def memory_probe(method: str, k: int, doc_tokens: int, root: str, storage_dtype:
     """Load the model, answer once with ``method`` (caches already on disk), report the baseline RSS too."""
     import resource
 
-    from .llm import load_model
+    from ..llm import load_model
 
     llm = load_model(device="cpu", dtype="float32")
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     docs, question, gold = secret_code_documents(llm, k, doc_tokens, seed)
-    engine = bench_engine(llm, Path(root), doc_tokens, storage_dtype)
-    generation = start(engine, method, docs, [], question, SamplingConfig(max_new_tokens=8, ignore_eos=True))
+    generator = bench_generator(llm, Path(root), doc_tokens, storage_dtype)
+    generation = start(generator, method, docs, [], question, SamplingConfig(max_new_tokens=8, ignore_eos=True))
     with torch.inference_mode():  # fault in the (memory-mapped) weights before measuring
         llm.model(torch.tensor([[1, 2, 3]], device=llm.device))
     idle = _rss_mb()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .options import DEFAULT_STORAGE_DTYPE
+from ..options import DEFAULT_STORAGE_DTYPE
 
 
 @dataclass
@@ -20,7 +20,7 @@ class BenchConfig:
     long_new_tokens: int = 128  # end-to-end latency of a long answer at the largest k
     memory: bool = True  # peak resident memory of each method, each in a fresh process
     cold: bool = True  # also measure PCED with the cache files evicted from the page cache
-    resident: bool = True  # also measure PCED with every cache kept on the model's device (pced.kvpool)
+    resident: bool = True  # also measure PCED with every cache kept on the model's device (pced.kv.tiers)
     concurrency: tuple[int, ...] = (1, 4, 16)  # --backend vllm: questions answered at once
     out: str = "runs/bench"
     seed: int = 42

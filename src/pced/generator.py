@@ -1,6 +1,6 @@
 """The Python API over given documents: candidates + question -> a streaming PCED Generation or an Answer.
 
-``Engine`` ties a loaded model, a prompt builder and a KV store together. Documents are encoded
+``Generator`` ties a loaded model, a prompt builder and a KV store together. Documents are encoded
 into the store the first time they are seen (later calls reuse the stored caches), so
 ``pced generate`` on the same documents twice pays the encoding once. A rule left None is the
 model family's (``pced.defaults.resolve_rule``), the same one ``pced ask`` and the server use.
@@ -12,10 +12,12 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .answers import Answer, SamplingConfig
+from .answers import Answer
+from .sampling import SamplingConfig
 from .documents import Candidate
-from .kvpool import CacheTiers
-from .kvstore import DocKV, KVStore
+from .kv.tiers import CacheTiers
+from .kv.segment import DocKV
+from .kv.store import KVStore
 from .options import DEFAULT_STORAGE_DTYPE
 from .llm import LoadedModel, cache_root, load_model
 from .methods.pced import Expert, PCEDGeneration
@@ -27,7 +29,7 @@ def default_kv_dir(llm: LoadedModel, template: Template, storage_dtype: str) -> 
     return cache_root() / "kv" / f"{llm.name}-{llm.fingerprint[:8]}-{template.name}-{storage_dtype}"
 
 
-class Engine:
+class Generator:
     """One model + one template + one KV store; answers questions over given candidates."""
 
     def __init__(
@@ -42,13 +44,13 @@ class Engine:
         self.template = TEMPLATES[template] if isinstance(template, str) else template
         self.builder = PromptBuilder(self.llm.tokenizer, self.template)
         kv_dir = kv_dir if kv_dir is not None else default_kv_dir(self.llm, self.template, storage_dtype)
-        self.store = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers)
+        self.caches = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers)
 
     def experts(self, candidates: Sequence[Candidate], progress: bool = False) -> list[Expert]:
         """Experts for the candidates, encoding (and storing) any document not cached yet."""
-        digests = self.store.add([c.document.render() for c in candidates], progress=progress)
+        digests = self.caches.add([c.document.render() for c in candidates], progress=progress)
         return [
-            Expert(doc_id=c.document.id, relevance=c.relevance, load=lambda d=digest: self.store.load(d))
+            Expert(doc_id=c.document.id, relevance=c.relevance, load=lambda d=digest: self.caches.load(d))
             for c, digest in zip(candidates, digests)
         ]
 
@@ -64,7 +66,7 @@ class Engine:
         ``follow`` (a ``methods.follow.Follow``) turns on decode-time relevance."""
         return PCEDGeneration(
             self.llm,
-            self.store.prefix(),
+            self.caches.prefix(),
             self.experts(candidates),
             self.builder.suffix_ids(question, with_context=True),
             self.builder.suffix_ids(question, with_context=False),
@@ -75,7 +77,7 @@ class Engine:
 
     def load(self, candidate: Candidate) -> DocKV:
         """One candidate's document cache (encoded and stored first if it is new)."""
-        return self.store.load(self.store.add([candidate.document.render()], progress=False)[0])
+        return self.caches.load(self.caches.add([candidate.document.render()], progress=False)[0])
 
     def answer(self, *args, **kwargs) -> Answer:
         """``stream`` with the same arguments, to completion."""

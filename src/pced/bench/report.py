@@ -30,7 +30,7 @@ def markdown_report(results: dict) -> str:
             f"Indexing {s['documents']} documents ({s['tokens']} tokens): {s['index_s']:.1f} s; "
             f"{s['bytes_per_token']:.0f} bytes per document token on disk.",
             "",
-            "TTFT of PCED with its caches resident on the model's device (pced.kvpool), in the host page cache "
+            "TTFT of PCED with its caches resident on the model's device (pced.kv.tiers), in the host page cache "
             "(warm) and read from disk (cold).",
             "",
             "| k | context tokens | PCED TTFT resident (s) | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) [floor] | all decode/token (s) [floor] | APE decode/token (s) [floor] |",

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .answers import SamplingConfig
-from .bench import _run, bench_engine, secret_code_documents
-from .bench_config import BenchConfig
-from .documents import Candidate
-from .fs import atomic_write_json, atomic_write_text
-from .llm import LoadedModel
-from .options import AskOptions, VLLMSettings
-from .pipeline import ask_candidates
+from ..sampling import SamplingConfig
+from .run import _run, bench_generator, secret_code_documents
+from .config import BenchConfig
+from ..documents import Candidate
+from ..fs import atomic_write_json, atomic_write_text
+from ..llm import LoadedModel
+from ..options import AskOptions, VLLMSettings
+from ..pipeline import ask_candidates
 
 
 def _options(cfg: BenchConfig, backend: str, settings: VLLMSettings) -> AskOptions:
@@ -41,7 +41,7 @@ def _options(cfg: BenchConfig, backend: str, settings: VLLMSettings) -> AskOptio
 
 
 def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, settings: VLLMSettings = VLLMSettings()) -> dict:
-    from .backends.vllm.engine import shared_engine
+    from ..backends.vllm.engine import shared_engine
 
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
@@ -49,16 +49,16 @@ def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, settings: VLLMSettings = 
     doc_tokens = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     docs.sort(key=lambda d: d.id not in gold)  # gold first, so every k includes the answer
-    engine = bench_engine(llm, root, doc_tokens, cfg.storage_dtype)
-    engine.store.add([d.render() for d in docs], progress=False)
-    vllm.warm_up(engine.builder, [d.render() for d in docs])
+    generator = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
+    generator.caches.add([d.render() for d in docs], progress=False)
+    vllm.warm_up(generator.builder, [d.render() for d in docs])
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
     results = {"config": asdict(cfg), "vllm": asdict(settings), "model": llm.name, "device": str(llm.device),
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens,
                "engine_start_s": vllm.start_s, "warm_up_s": vllm.warm_up_s, "latency": [], "throughput": []}
 
     def answer(backend: str, k: int) -> dict:
-        return _run(ask_candidates(engine, candidates[:k], question, _options(cfg, backend, settings)).generation)
+        return _run(ask_candidates(generator, candidates[:k], question, _options(cfg, backend, settings)).generation)
 
     total = len(cfg.ks) * 2 * cfg.repeats + sum(c * 2 for c in cfg.concurrency)
     with tqdm(total=total, desc="bench vllm", unit="answer") as bar:

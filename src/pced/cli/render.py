@@ -7,7 +7,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.text import Text
 
-from .answers import Answer
+from ..answers import Answer
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
 AMATEUR_STYLE = "dim"

@@ -54,7 +54,7 @@ def random_model(spec: str, device: str | torch.device | None = None, dtype: str
     """A ``LoadedModel`` of random weights (normal, std 0.02) in the shape ``spec``, built on ``device``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from .llm import LoadedModel, default_device, embedded_model_dir, resolve_dtype
+    from ..llm import LoadedModel, default_device, embedded_model_dir, resolve_dtype
 
     name, fields = shape_of(spec)
     folder = Path(tokenizer).expanduser() if tokenizer else embedded_model_dir()

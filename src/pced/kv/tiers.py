@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .kvdata import DocKV, PinnedStaging
+from .segment import DocKV, PinnedStaging
 
 GIB = 1 << 30
 

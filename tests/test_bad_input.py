@@ -33,6 +33,7 @@ def one_line_error(capsys, code: int, expected: str) -> None:
     assert code == 2 and len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     # the shell hands Python bytes that are not UTF-8: they arrive as lone surrogates
     result = subprocess.run([sys.executable, "-m", "pced.cli", "ask", str(store_dir), b"Who \xff Cola?", "--model",
@@ -113,6 +114,7 @@ def test_server_refuses_lone_surrogates_and_oversized_input(store_dir, tiny_llm)
             assert error["code"] == code and error["param"] == param, error
 
 
+@pytest.mark.slow
 def test_two_concurrent_index_runs_keep_every_document(tmp_path, tiny_model_dir):
     a = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "text": f"Alpha fact {i}: item {i} is red. " * 6} for i in range(15)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"id": f"b{i}", "text": f"Beta fact {i}: item {i} is blue. " * 6} for i in range(30)])

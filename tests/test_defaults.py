@@ -12,6 +12,7 @@ from pced.cli import main
 from pced.cli.common import add_decoding_options, ask_options_from
 from pced.defaults import PAPER_RULE, model_family, resolve_rule
 from pced.options import AskOptions
+from pced.rule import RuleConfig
 from pced.server.schemas import AnswerRequest, Limits, answer_job
 
 QUESTION = "In which town was the founder of the Zorblax Company born?"
@@ -23,10 +24,12 @@ def test_family_of_a_model_setting_without_loading(tiny_model_dir, tmp_path):
     assert model_family(str(tmp_path / "missing")) == ""
 
 
+@pytest.mark.slow
 def test_family_of_a_loaded_model(tiny_llm, embedded_llm):
     assert model_family(embedded_llm) == "smollm2" and model_family(tiny_llm) == "llama"
 
 
+@pytest.mark.slow
 def test_one_resolution_of_the_rule(tiny_model_dir, tiny_llm, embedded_llm):
     assert resolve_rule(None).gamma == resolve_rule(embedded_llm).gamma == 32.0
     assert resolve_rule(None, paper=True) == PAPER_RULE and PAPER_RULE.gamma == 2.5
@@ -59,6 +62,7 @@ def embedded_store(tmp_path_factory, embedded_llm):
     return store
 
 
+@pytest.mark.slow
 def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(embedded_store, capsys):
     from fastapi.testclient import TestClient
 
@@ -93,3 +97,33 @@ def test_library_cli_and_server_give_identical_answers_on_the_embedded_model(emb
     paper = ask(embedded_store, QUESTION, AskOptions(top_k=4, top_n=30, paper_defaults=True,
                                                      sampling=SamplingConfig(max_new_tokens=16)))
     assert paper.generation.rule_config == PAPER_RULE
+
+
+def test_defaults_stay_the_papers_and_the_familys():
+    assert RuleConfig().prior == "log" and AskOptions().prior is None and SamplingConfig().no_repeat_ngram == 0
+    assert resolve_rule(None) == RuleConfig(gamma=32.0)  # the embedded family's rule, prior untouched
+    assert resolve_rule(None, prior="standardized") == RuleConfig(gamma=32.0, prior="standardized")
+    assert AskOptions(prior="standardized").rule("/nowhere/llama") == RuleConfig(prior="standardized")
+
+
+def test_bad_settings_are_one_line_value_errors():
+    for build, expected in ((lambda: RuleConfig(prior="nope"), "prior must be one of log, standardized"),
+                            (lambda: SamplingConfig(no_repeat_ngram=-1), "no_repeat_ngram must be an integer >= 0"),
+                            (lambda: AskOptions(prior="nope"), "prior must be one of"),
+                            (lambda: AskOptions(backend="vllm", sampling=SamplingConfig(no_repeat_ngram=3)),
+                             "--no-repeat-ngram is not supported with --backend vllm")):
+        with pytest.raises(ValueError) as info:
+            build()
+        assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_flags_reach_ask_options():
+    from pced.cli import build_parser
+    from pced.cli.common import ask_options_from
+
+    args = build_parser().parse_args(["generate", "--docs", "d.jsonl", "--question", "q", "--prior", "standardized",
+                                      "--no-repeat-ngram", "3"])
+    options = ask_options_from(args)
+    assert options.prior == "standardized" and options.sampling.no_repeat_ngram == 3
+    default = ask_options_from(build_parser().parse_args(["generate", "--docs", "d.jsonl", "--question", "q"]))
+    assert default.prior is None and default.sampling == SamplingConfig()

@@ -50,6 +50,7 @@ def test_shapes_by_name_or_json_and_a_clear_error_otherwise(tmp_path):
         shape_of("llama-9000")
 
 
+@pytest.mark.slow
 def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_path):
     out = tmp_path / "bench"
     result = run_pced("bench", "--random-model", "tiny", "--ks", "2", "--doc-tokens", "32", "--repeats", "1",

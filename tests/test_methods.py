@@ -55,6 +55,7 @@ def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path)
     assert first.token_ids == again.token_ids
 
 
+@pytest.mark.slow
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     from pced.bench.run import BenchConfig, run_bench, secret_code_documents
     from pced.prompts import RAG_TEMPLATE

@@ -26,6 +26,8 @@ import pytest  # noqa: E402
 
 from pced.retrieval import HybridRetriever, default_retriever  # noqa: E402
 
+pytestmark = pytest.mark.slow  # MiniLM over 994 HotpotQA passages
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {8: {"recall": 0.83, "all_gold": 0.70}, 90: {"recall": 0.95, "all_gold": 0.92}}
 

@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pced.rule import AMATEUR, ContrastiveRule, RuleConfig, calibrate, js_divergence
+from pced.rule import AMATEUR, ContrastiveRule, RuleConfig, aggregate, calibrate, js_divergence, prior_term
+
+from helpers.experts import old_prior
+
+TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # float32 rounding of the same real number computed two ways
 
 
 def reference_jsd(p_logits, q_logits):
@@ -167,3 +171,90 @@ def test_rule_computes_on_the_device_of_the_logits_whatever_the_relevance_device
         rule = ContrastiveRule(RuleConfig(beta=0.5, aggregation=aggregation), relevance)
         scores, _ = rule.scores(torch.randn(4, 11, device="meta"))
         assert scores.device.type == "meta"
+
+
+def test_log_prior_is_the_pre_change_formula_in_calibrate_and_weights():
+    torch.manual_seed(0)
+    experts, amateur, beta = torch.randn(4, 50), torch.randn(50), torch.rand(4)
+    relevance = torch.tensor([0.91, 0.42, 1e-12, 0.999999999])  # one below and one above the clip
+    expected = (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :] + old_prior(relevance, 2.5)[:, None]
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, relevance), expected)
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, relevance, "log"), expected)
+    for aggregation in ("moe", "poe"):
+        scores, _ = aggregate(expected, amateur, relevance, RuleConfig(gamma=2.5, aggregation=aggregation))
+        weights = torch.softmax(old_prior(relevance, 2.5), dim=0)
+        log_p = torch.log_softmax(expected, dim=-1)
+        if aggregation == "moe":
+            reference = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)
+        else:
+            reference = torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1)
+        assert torch.equal(scores, reference)
+
+
+def test_standardized_prior_is_the_formula_and_scale_free():
+    r = torch.tensor([0.9, 0.7, 0.5, 0.2])
+    log_r = np.log(r.double().numpy())
+    expected = 3.0 * (log_r - log_r.max()) / log_r.std()  # numpy's std is the population one
+    got = prior_term(r, 3.0, "standardized")
+    assert got.dtype == torch.float32 and got[0] == 0.0
+    torch.testing.assert_close(got, torch.from_numpy(expected).float(), **TOLERANCE)
+    for c in (0.5, 2.0, 3.0):
+        torch.testing.assert_close(prior_term(r ** c, 3.0, "standardized"), got, **TOLERANCE)  # r -> r^c
+        torch.testing.assert_close(prior_term(r * (c / 3.0), 3.0, "standardized"), got, **TOLERANCE)  # r -> r * const
+    # a reranker's sigmoid spreads log r over nats, BM25's over hundredths: the same gate either way
+    assert not torch.allclose(prior_term(r ** 8, 3.0), prior_term(r, 3.0))
+
+
+def test_standardized_prior_is_zero_for_one_expert_and_for_equal_relevances():
+    assert torch.equal(prior_term(torch.tensor([0.3]), 2.5, "standardized"), torch.zeros(1))
+    assert torch.equal(prior_term(torch.tensor([0.37] * 5), 2.5, "standardized"), torch.zeros(5))
+    assert torch.equal(prior_term(torch.tensor([1e-12, 0.0]), 2.5, "standardized"), torch.zeros(2))  # both clipped
+    experts, amateur = torch.randn(5, 40), torch.randn(40)
+    beta = torch.full((5,), 0.3)
+    plain = (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :]
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, torch.tensor([0.37] * 5), "standardized"), plain + 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe", "poe"])
+def test_every_aggregation_uses_the_same_standardized_term(aggregation):
+    torch.manual_seed(1)
+    experts, amateur, beta = torch.randn(3, 30), torch.randn(30), torch.rand(3)
+    r = torch.tensor([0.8, 0.75, 0.3])
+    config = RuleConfig(gamma=2.0, aggregation=aggregation, prior="standardized")
+    prior = prior_term(r, 2.0, "standardized")
+    s_hat = calibrate(experts, amateur, beta, 2.0, r, "standardized")
+    assert torch.equal(s_hat, (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :] + prior[:, None])
+    scores, winner = aggregate(s_hat, amateur, r, config)
+    if aggregation == "max":
+        assert torch.equal(scores, s_hat.max(dim=0).values)
+    else:
+        weights, log_p = torch.softmax(prior, dim=0), torch.log_softmax(s_hat, dim=-1)
+        reference = (torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0) if aggregation == "moe"
+                     else torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1))
+        assert torch.equal(scores, reference)
+    # r -> r^2 leaves the standardized rule's scores unchanged (up to float rounding)
+    scaled, _ = aggregate(calibrate(experts, amateur, beta, 2.0, r ** 2, "standardized"), amateur, r ** 2, config)
+    torch.testing.assert_close(scaled, scores, rtol=1e-5, atol=1e-5)
+
+
+def prior_seen(rule: ContrastiveRule, n_experts: int) -> torch.Tensor:
+    """The prior the rule adds at one step: expert rows of zeros and beta 0 make s_hat the prior itself."""
+    logits = torch.cat([torch.randn(1, 16), torch.zeros(n_experts, 16)])
+    rule.scores(logits)
+    return rule.last_s_hat[:, 0]
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe"])
+def test_standardized_prior_follows_set_relevance_and_add_expert(aggregation):
+    rule = ContrastiveRule(RuleConfig(beta=0.0, gamma=1.5, aggregation=aggregation, prior="standardized"),
+                           torch.tensor([0.9, 0.6, 0.5]))
+    first = prior_seen(rule, 3)
+    assert torch.equal(first, prior_term(torch.tensor([0.9, 0.6, 0.5]), 1.5, "standardized"))
+    rule.set_relevance(torch.tensor([0.9, 0.6, 0.85]))  # the answer so far made expert 3 relevant
+    second = prior_seen(rule, 3)
+    assert torch.equal(second, prior_term(torch.tensor([0.9, 0.6, 0.85]), 1.5, "standardized"))
+    assert second[2] > first[2] and not torch.equal(second, first)
+    rule.add_expert(0.95)  # a new best expert: everyone else moves down
+    third = prior_seen(rule, 4)
+    assert torch.equal(third, prior_term(torch.tensor([0.9, 0.6, 0.85, 0.95]), 1.5, "standardized"))
+    assert third[3] == 0.0 and third[0] < 0.0

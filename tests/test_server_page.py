@@ -20,7 +20,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOT_COPY = Path(__file__).resolve().parents[1] / "runs" / "server" / "page.png"
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason="no system chromium (apt-get install chromium)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason="no system chromium (apt-get install chromium)")]
 
 
 @pytest.fixture(scope="module")

@@ -230,3 +230,17 @@ def test_server_takes_prior_and_ngram_in_the_pced_object(store):
     direct = make_generation(store.generator, "pced", candidates, QUESTION, RuleConfig(prior="standardized"),
                              SamplingConfig(max_new_tokens=16, no_repeat_ngram=2)).answer()
     assert response.json()["answer"] == direct.text
+
+
+def test_the_page_asks_what_the_cli_asks(client):
+    from pced.options import METHODS, AskOptions
+
+    defaults = client.get("/defaults").json()
+    assert defaults == {"method": AskOptions.method, "methods": list(METHODS), "top_k": AskOptions.top_k,
+                        "max_top_k": Limits().max_top_k, "max_tokens": SamplingConfig().max_new_tokens,
+                        "max_tokens_limit": Limits().max_tokens}
+    page = client.get("/").text + client.get("/static/app.js").text
+    for field in ('id="top-k"', 'id="max-tokens"'):  # the form's inputs carry no value of their own
+        tag = page[page.index(field) - 40:page.index(field) + 80]
+        assert "value=" not in tag and "max=" not in tag, tag
+    assert "<option>" not in page and "|| 4" not in page and "|| 64" not in page

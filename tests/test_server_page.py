@@ -12,6 +12,8 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 import httpx  # noqa: E402
 
+from pced.options import METHODS, AskOptions  # noqa: E402
+from pced.sampling import SamplingConfig  # noqa: E402
 from pced.server import create_app  # noqa: E402
 from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
@@ -38,6 +40,11 @@ def test_page_streams_an_answer_coloured_by_document(tmp_path, store):
             page.on("console", lambda msg: problems.append(msg.text) if msg.type == "error" else None)
             page.goto(f"{url}/")
             page.wait_for_function("document.getElementById('model').textContent.includes('documents')")
+            page.wait_for_function("document.getElementById('top-k').value !== ''")
+            # the form starts from what pced ask asks (AskOptions, SamplingConfig), not numbers of its own
+            assert page.input_value("#top-k") == str(AskOptions.top_k) and page.input_value("#method") == AskOptions.method
+            assert page.input_value("#max-tokens") == str(SamplingConfig().max_new_tokens)
+            assert page.eval_on_selector_all("#method option", "els => els.map(e => e.value)") == list(METHODS)
             page.fill("#question", QUESTION)
             page.fill("#top-k", "3")
             page.fill("#max-tokens", "24")

@@ -3,7 +3,7 @@
 ``Generator`` ties a loaded model, a prompt builder and a KV store together. Documents are encoded
 into the store the first time they are seen (later calls reuse the stored caches), so
 ``pced generate`` on the same documents twice pays the encoding once. A rule left None is the
-model family's (``pced.defaults.resolve_rule``), the same one ``pced ask`` and the server use.
+model family's (``pced.options.resolve_rule``), the same one ``pced ask`` and the server use.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .defaults import EMBEDDED_NAME, is_embedded
+from .options import EMBEDDED_NAME, is_embedded
 from .fingerprint import files_fingerprint
 from .fs import staging_dir, swap_directory
 from .offline import force_offline

@@ -7,7 +7,7 @@ import argparse
 
 from ..sampling import SamplingConfig
 from ..kv.tiers import CacheTiers
-from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions, VLLMSettings
+from ..options import BACKENDS, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, VLLMSettings, family_defaults
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
@@ -65,8 +65,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="dynamic (AdaCAD, the paper's), elementwise, or a number")
     group.add_argument("--gamma", type=float, default=AskOptions.gamma,
                        help="weight of the retrieval prior gamma*log r (default: the model family's measured value, "
-                            "32 for the embedded SmolLM2; the paper's 2.5 otherwise or with --paper-defaults)")
-    group.add_argument("--paper-defaults", action="store_true", help="unset settings from the paper's rule (gamma 2.5)")
+                            f"{family_defaults('gamma')} or with --paper-defaults)")
+    group.add_argument("--paper-defaults", action="store_true",
+                       help=f"unset settings from the paper's rule (gamma {PAPER_RULE.gamma:g})")
     group.add_argument("--aggregation", choices=AGGREGATIONS, default=AskOptions.aggregation, help="max (the paper's), moe, poe")
     group.add_argument("--score-space", choices=SCORE_SPACES, default=AskOptions.score_space, help="logits (the paper's) or logprobs")
     group.add_argument("--prior", choices=PRIORS, default=AskOptions.prior,

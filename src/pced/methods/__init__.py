@@ -30,7 +30,7 @@ def make_generation(
     follow=None,
 ) -> Generation:
     """``method`` over ``candidates`` with ``generator`` (a ``pced.generator.Generator``); ``rule`` None is the
-    model family's rule (``pced.defaults.resolve_rule``); ``follow`` (PCED only) is decode-time
+    model family's rule (``pced.options.resolve_rule``); ``follow`` (PCED only) is decode-time
     relevance (``methods.follow``)."""
     check_method(method)
     texts = [c.document.render() for c in candidates]

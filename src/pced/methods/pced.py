@@ -12,7 +12,7 @@ from ..sampling import SamplingConfig
 from ..backends.rows import ExpertRows
 from ..decoding import ContrastiveScoring, Generation
 from ..documents import Candidate
-from ..defaults import resolve_rule
+from ..options import resolve_rule
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
 from ..rule import RuleConfig

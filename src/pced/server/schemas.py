@@ -42,6 +42,12 @@ class Limits:
     max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
 
 
+def form_defaults(limits: Limits) -> dict:
+    """What the page's form starts from and may ask: the same defaults ``pced ask`` uses."""
+    return {"method": AskOptions.method, "methods": list(METHODS), "top_k": AskOptions.top_k, "max_top_k": limits.max_top_k,
+            "max_tokens": limits.default_max_tokens, "max_tokens_limit": limits.max_tokens}
+
+
 class RequestError(ValueError):
     """A request the server refuses: reported as {"error": {message, type, param, code}}."""
 

@@ -10,7 +10,15 @@ chunks, merges, encodes and swaps (one writer). ``layout`` is what both agree on
 """
 
 from .layout import FORMAT, IndexSettings, StoreError
-from .reader import DocumentStore
-from .writer import index_store
+
+_LAZY = {"DocumentStore": "reader", "index_store": "writer"}  # the model stack loads only when a store is used
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store"]

@@ -136,9 +136,11 @@ async function ask(event) {
     model: "pced",
     stream: true,
     messages: [{ role: "user", content: question }],
-    max_tokens: Number($("max-tokens").value) || 64,
-    pced: { method: $("method").value, top_k: Number($("top-k").value) || 4 },
+    pced: { method: $("method").value },
   };
+  // a field left empty is left out: the server's default applies, as for pced ask
+  if ($("max-tokens").value) body.max_tokens = Number($("max-tokens").value);
+  if ($("top-k").value) body.pced.top_k = Number($("top-k").value);
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers, body: JSON.stringify(body), signal: controller.signal,
@@ -168,9 +170,18 @@ async function showModel() {
   } catch (err) { /* the page still works without it */ }
 }
 
+async function showDefaults() {
+  // the form starts from the server's defaults (those of pced ask), never from numbers of its own
+  const defaults = await (await fetch("/defaults")).json();
+  $("method").replaceChildren(...defaults.methods.map((name) => new Option(name, name, false, name === defaults.method)));
+  Object.assign($("top-k"), { value: defaults.top_k, max: defaults.max_top_k });
+  Object.assign($("max-tokens"), { value: defaults.max_tokens, max: defaults.max_tokens_limit });
+}
+
 $("ask-form").addEventListener("submit", ask);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("question").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("ask-form").requestSubmit(); }
 });
+showDefaults();
 showModel();

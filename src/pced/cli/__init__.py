@@ -11,6 +11,7 @@ import sys
 from .bench import add_bench_parser
 from .common import InputError
 from .eval import add_eval_parser
+from .offline import force_offline
 from .generate import add_generate_parser
 from .serve import add_serve_parser
 from .store import add_ask_parser, add_demo_parser, add_index_parser, add_verify_parser
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    force_offline()
     try:
         configure_threads(args.threads)
         return args.func(args)

@@ -81,3 +81,26 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     assert length["prefix_ids"] + length["doc_ids"][0] + length["question_ids"] == \
         generator.builder.prompt_ids([gold_doc.render()], question)
     assert "peer" not in results["lengths"][0]
+
+
+def test_one_dispatch_builds_every_method_and_the_generator_streams_through_it(tiny_llm, tmp_path):
+    from pced.methods import BUILDERS, start
+    from pced.methods.pced import Expert, PCEDGeneration
+    from pced.rule import RuleConfig
+
+    assert set(BUILDERS) == set(METHODS)  # a method is added in one place
+    generator = Generator(tiny_llm, "rag", tmp_path / "kv", "float32")
+    candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
+    sampling = SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    options = AskOptions(sampling=sampling)
+    started = start(generator, candidates, QUESTION, options, RuleConfig())
+    streamed = generator.stream(candidates, QUESTION, RuleConfig(), sampling)
+    # by hand, as the generator did before it handed the work down to the method
+    builder, caches = generator.builder, generator.caches
+    digests = caches.add([c.document.render() for c in candidates], progress=False)
+    experts = [Expert(c.document.id, c.relevance, lambda d=d: caches.load(d)) for c, d in zip(candidates, digests)]
+    by_hand = PCEDGeneration(tiny_llm, caches.prefix(), experts, builder.suffix_ids(QUESTION, with_context=True),
+                             builder.suffix_ids(QUESTION, with_context=False), RuleConfig(), sampling)
+    answers = [g.answer() for g in (started, streamed, by_hand)]
+    assert answers[0].token_ids == answers[1].token_ids == answers[2].token_ids and len(answers[0].token_ids) == 8
+    assert [s.winner for s in answers[0].trace] == [s.winner for s in answers[2].trace]

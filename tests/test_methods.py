@@ -71,7 +71,7 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     assert all(row["pced_ttft_s"] > 0 for row in storage.values())
     assert results["end_to_end"]["pced"]["new_tokens"] == results["end_to_end"]["all"]["new_tokens"] == 5
     assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png", "peer_inputs.json"}
-    # what the authors' implementation is timed on (scripts/peer_langchain_pced.py): exactly our prompt
+    # what the authors' implementation is timed on (experiments/peer_langchain_pced.py): exactly our prompt
     peer = json.loads((tmp_path / "bench" / "peer_inputs.json").read_text())
     length = peer["lengths"][0]
     assert peer["ks"] == [2, 3] and len(length["doc_ids"]) == 3 and length["scores"][0] == 0.8

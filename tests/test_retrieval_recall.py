@@ -1,6 +1,6 @@
 """Gold-paragraph recall of the embedded default retriever on HotpotQA (corpus-wide).
 
-Measured with ``scripts/retrieval_recall.py`` (994 passages, 100 questions, CPU):
+Measured with ``experiments/retrieval_recall.py`` (994 passages, 100 questions, CPU):
 
 | retriever            | recall@8 | all gold@8 | recall@90 | all gold@90 |
 |----------------------|----------|------------|-----------|-------------|
@@ -37,7 +37,7 @@ def _data_dir() -> Path:
 
 
 def _recall_script():
-    path = REPO_ROOT / "scripts" / "retrieval_recall.py"
+    path = REPO_ROOT / "experiments" / "retrieval_recall.py"
     spec = importlib.util.spec_from_file_location("retrieval_recall", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

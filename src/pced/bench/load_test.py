@@ -6,10 +6,10 @@ clients stream (SSE, time to first token measured), half do plain chat completio
 saves median / p95 latency to runs/load_test/results.{json,md} (one section per --backend, and the
 requests/s ratio to the first backend when several are given).
 
-    python scripts/load_test.py                      # demo store, 20 clients x 5 questions
-    python scripts/load_test.py --backend transformers --backend vllm   # both servers, one after the other
-    python scripts/load_test.py --store DIR --model PATH
-    python scripts/load_test.py --url http://127.0.0.1:8000 --api-key KEY
+    python -m pced.bench.load_test                      # demo store, 20 clients x 5 questions
+    python -m pced.bench.load_test --backend transformers --backend vllm   # both servers, one after the other
+    python -m pced.bench.load_test --store DIR --model PATH
+    python -m pced.bench.load_test --url http://127.0.0.1:8000 --api-key KEY
 """
 
 from __future__ import annotations

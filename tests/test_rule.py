@@ -258,3 +258,73 @@ def test_standardized_prior_follows_set_relevance_and_add_expert(aggregation):
     third = prior_seen(rule, 4)
     assert torch.equal(third, prior_term(torch.tensor([0.9, 0.6, 0.85, 0.95]), 1.5, "standardized"))
     assert third[3] == 0.0 and third[0] < 0.0
+
+
+# --------------------------------------------------------------------------- the authors' library
+
+
+def library_get_jsd(p_logits, q_logits, eps: float = 1e-9):
+    """langchain-pced 0.2.0, langchain_pced/core/decode_cb.py:105-128, transcribed."""
+    p = torch.nn.functional.softmax(p_logits, dim=-1)
+    q = torch.nn.functional.softmax(q_logits, dim=-1)
+    p = p.reshape(-1, p.size(-1)).clamp_min(eps)
+    q = q.reshape(-1, q.size(-1)).clamp_min(eps)
+    m = (0.5 * (p + q)).clamp_min(eps).log()
+    return 0.5 * (torch.nn.functional.kl_div(m, p, reduction="none", log_target=False)
+                  + torch.nn.functional.kl_div(m, q, reduction="none", log_target=False))
+
+
+def library_decode(steps, relevance, gamma):
+    """decode_cb.py's greedy loop (beta=None, normalize=False): the bias at :205-209, the dynamic beta at
+    :245-250 (``if current_beta is None: current_beta = get_jsd(...).clamp(0, 1.0)``, likewise :386-390),
+    the calibration at :253 and the winner at :269-277; ``steps`` are each step's [N+1, V] logits."""
+    retrieval_bias = relevance.clamp_min(1e-12).log()
+    current_beta, chosen, calibrated_steps = None, [], []
+    for next_logits in steps:
+        amateur_logits = next_logits[0].unsqueeze(0)
+        expert_logits = next_logits[1:]
+        if current_beta is None:
+            current_beta = library_get_jsd(amateur_logits, expert_logits).clamp(0, 1.0)
+        calibrated_scores = (1 + current_beta) * expert_logits - current_beta * amateur_logits
+        best_scores_per_expert, best_tokens_per_expert = calibrated_scores.max(dim=-1)
+        best_scores_per_expert = best_scores_per_expert + gamma * retrieval_bias
+        winning_expert_idx = int(best_scores_per_expert.argmax().item())
+        chosen.append((int(best_tokens_per_expert[winning_expert_idx]), winning_expert_idx))
+        calibrated_steps.append(calibrated_scores + gamma * retrieval_bias[:, None])
+    return chosen, calibrated_steps
+
+
+def test_elementwise_beta_is_the_authors_library_frozen_at_the_first_step():
+    torch.manual_seed(3)
+    relevance, gamma = torch.tensor([0.8, 0.55, 0.3]), 2.5
+    steps = [torch.randn(4, 50) * 3 for _ in range(12)]  # every step's logits differ: a recomputed beta would too
+    expected, calibrated = library_decode(steps, relevance, gamma)
+    rule = ContrastiveRule(RuleConfig(beta="elementwise", gamma=gamma), relevance)
+    ours = []
+    for logits in steps:
+        choice = rule.choose(logits)
+        ours.append((choice.token, choice.winner))
+        # float32; the library clamps probabilities at 1e-9 where we take 0 log 0 = 0: within 1e-5
+        torch.testing.assert_close(rule.last_s_hat, calibrated[len(ours) - 1], rtol=0, atol=1e-5)
+    assert ours == expected
+    first = library_get_jsd(steps[0][0:1], steps[0][1:]).clamp(0, 1.0)
+    torch.testing.assert_close(rule.beta, first, rtol=0, atol=1e-6)
+    # the test can tell: a beta recomputed at every step would have chosen other tokens
+    recomputed = [int(torch.argmax(((1 + b) * s[1:] - b * s[0] + gamma * relevance.log()[:, None]).max(dim=0).values))
+                  for s in steps for b in [library_get_jsd(s[0:1], s[1:]).clamp(0, 1.0)]]
+    assert recomputed != [token for token, _ in expected]
+
+
+def test_an_expert_joining_mid_answer_gets_its_elementwise_beta_at_its_first_step():
+    torch.manual_seed(4)
+    steps = [torch.randn(3, 30) for _ in range(3)]
+    rule = ContrastiveRule(RuleConfig(beta="elementwise", gamma=1.0), torch.tensor([0.9, 0.5]))
+    rule.choose(steps[0])
+    before = rule.beta.clone()
+    rule.add_expert(0.7)
+    joined = torch.cat([steps[1], torch.randn(1, 30)])
+    rule.choose(joined)
+    assert rule.beta.shape == (3, 30) and torch.equal(rule.beta[:2], before)
+    torch.testing.assert_close(rule.beta[2], library_get_jsd(joined[0:1], joined[3:4]).clamp(0, 1.0)[0], rtol=0, atol=1e-6)
+    rule.choose(torch.cat([steps[2], torch.randn(1, 30)]))
+    assert torch.equal(rule.beta[:2], before)  # frozen, the joined row too

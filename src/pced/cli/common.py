@@ -62,7 +62,7 @@ def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding (unset rule settings: the model family's rule)")
     group.add_argument("--beta", type=parse_beta, default=AskOptions.beta,
-                       help="dynamic (AdaCAD, the paper's), elementwise, or a number")
+                       help="dynamic (AdaCAD, the paper's), elementwise (the authors' library: per-token JSD terms, frozen at the first step), or a number")
     group.add_argument("--gamma", type=float, default=AskOptions.gamma,
                        help="weight of the retrieval prior gamma*log r (default: the model family's measured value, "
                             f"{family_defaults('gamma')} or with --paper-defaults)")

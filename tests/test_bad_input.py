@@ -14,7 +14,7 @@ from pced.documents import Document
 from pced.options import MAX_QUESTION_CHARS, MAX_TOP_K
 from pced.store import DocumentStore, IndexSettings, index_store
 
-from helpers.cli import run_pced, write_jsonl
+from helpers.cli import write_jsonl
 
 DOCS = [Document("zorblax", "The Zorblax Company makes tidal clocks. It was founded by Mira Quell.", "Zorblax"),
         Document("quell", "Mira Quell was born in the town of Oskvale.", "Mira Quell")]
@@ -144,5 +144,6 @@ def test_version_and_threads(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("pced ")
-    result = run_pced("ask", "--help")
-    assert "--threads" in result.stdout
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    assert "--threads" in capsys.readouterr().out

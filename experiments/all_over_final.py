@@ -1,4 +1,4 @@
-"""All (concatenation) over the documents PCED finally read, when experts joined mid-answer (issue 14).
+"""All (concatenation) over the documents PCED finally read, when experts joined mid-answer.
 
 A PCED run with ``--follow ...join`` reads the question's top-k plus the documents that joined.
 Is its answer better because of *how* it reads (isolated experts, the rule) or because it got to

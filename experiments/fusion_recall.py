@@ -1,4 +1,4 @@
-"""Hybrid fusions by gold recall, on the candidates ``pced eval`` would give PCED (issue 14, item 3).
+"""Hybrid fusions by gold recall, on the candidates ``pced eval`` would give PCED.
 
 For each dataset (its eval store under runs/stores, built by ``pced eval`` if missing) and each
 hybrid fusion (``hybrid`` = the paper's harmonic mean, ``hybrid-mean``, ``hybrid-rrf``), on the first

@@ -1,5 +1,5 @@
 """The authors' implementation beside ours: PyPI ``langchain-pced`` on exactly a ``pced bench`` run's
-model, documents and question (issue 12).
+model, documents and question.
 
 ``langchain-pced`` 0.2.0 runs PCED on transformers' continuous-batching internals: a paged KV cache
 and, per question, a prefill of every document (shared prefix forked once, then all documents in

@@ -24,7 +24,9 @@ def add_index_parser(sub) -> None:
 
     defaults = IndexSettings()
     p = sub.add_parser("index", help="build or extend a document store (retrieval indexes + KV caches)")
-    p.add_argument("corpus", help='JSONL: {"id", "text", "title"?} or LOFT {"pid", "title_text", "passage_text"} per line')
+    p.add_argument("corpus", help='JSON Lines or a JSON document (.gz too), chosen by content: {"id", "text", "title"?}, '
+                   'LOFT {"pid", "passage_text", "title_text"?}, {"title", "text"}, or HotpotQA / MuSiQue / NQ '
+                   'question or corpus files (every paragraph once)')
     p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
     p.add_argument("--model", default=None, help="local Hugging Face causal LM (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")

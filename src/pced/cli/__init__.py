@@ -13,6 +13,7 @@ from .common import InputError
 from .eval import add_eval_parser
 from .generate import add_generate_parser
 from .serve import add_serve_parser
+from .store_admin import add_store_parser
 from .store import add_ask_parser, add_demo_parser, add_index_parser, add_verify_parser
 
 __all__ = ["InputError", "build_parser", "main"]
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ask_parser(sub)
     add_demo_parser(sub)
     add_verify_parser(sub)
+    add_store_parser(sub)
     add_serve_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)

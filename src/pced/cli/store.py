@@ -62,10 +62,14 @@ def add_demo_parser(sub) -> None:
 
 def add_verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="check every stored KV cache of a store (checksums, shapes, finiteness)")
+    add_verify_arguments(p)
+    p.set_defaults(func=cmd_verify)
+
+
+def add_verify_arguments(p) -> None:
     p.add_argument("store", help="store directory built by pced index")
     p.add_argument("--remove", action="store_true",
                    help="delete damaged cache files, so that the next pced index (or a lazy store's answer) re-encodes them")
-    p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

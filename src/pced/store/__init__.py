@@ -11,6 +11,6 @@ chunks, merges, encodes and swaps (one writer). ``layout`` is what both agree on
 
 from .layout import FORMAT, IndexSettings, StoreError
 from .reader import DocumentStore
-from .writer import index_store
+from .writer import index_store, remove_documents
 
-__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store"]
+__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store", "remove_documents"]

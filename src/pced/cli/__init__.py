@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .bench import add_bench_parser
+from .chat import add_chat_parser
 from .common import InputError
 from .eval import add_eval_parser
 from .generate import add_generate_parser
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_index_parser(sub)
     add_ask_parser(sub)
+    add_chat_parser(sub)
     add_demo_parser(sub)
     add_verify_parser(sub)
     add_store_parser(sub)

@@ -44,8 +44,12 @@ def add_index_parser(sub) -> None:
 def add_ask_parser(sub) -> None:
     p = sub.add_parser("ask", help="answer a question from a store")
     p.add_argument("store", help="store directory built by pced index")
-    p.add_argument("question")
+    p.add_argument("question", nargs="?", help="the question (or --questions FILE)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the DESIGN.md contract)")
+    p.add_argument("--questions", metavar="FILE", default=None,
+                   help='answer every question of FILE (one a line, or JSON Lines {"id", "question"}) with the model '
+                        "loaded once; writes JSON Lines: the --json object plus id")
+    p.add_argument("--out", default=None, help="with --questions: write the JSON Lines here (default: stdout)")
     p.add_argument("--trace-png", default=None, help="save the expert-trace picture to this PNG")
     add_retrieval_options(p)
     add_model_options(p)
@@ -115,6 +119,14 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     from ..pipeline import ask
 
+    if args.questions is not None:
+        from .batch import cmd_ask_many
+
+        return cmd_ask_many(args)
+    if args.question is None:
+        raise InputError("give a question, or --questions FILE")
+    if args.out:
+        raise InputError("--out goes with --questions (one answer prints to stdout)")
     check_question(args.question)
     options = ask_options_from(args)  # bad settings fail before any model loads
     asked = ask(open_store(args), args.question, options)

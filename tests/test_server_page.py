@@ -12,6 +12,8 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 import httpx  # noqa: E402
 
+from pced.options import AskOptions  # noqa: E402
+from pced.sampling import SamplingConfig  # noqa: E402
 from pced.server import create_app  # noqa: E402
 from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
@@ -87,6 +89,9 @@ def test_hovering_a_sentence_shows_its_sources(store):
             page.on("pageerror", lambda exc: problems.append(str(exc)))
             page.goto(f"{url}/")
             page.wait_for_function("document.getElementById('model').textContent.includes('documents')")
+            # the page starts from the server's defaults, which are the library's (one default per setting)
+            assert page.input_value("#max-tokens") == str(SamplingConfig().max_new_tokens)
+            assert page.input_value("#top-k") == str(AskOptions.top_k)
             page.fill("#question", QUESTION)
             page.fill("#top-k", "3")
             page.fill("#max-tokens", "24")

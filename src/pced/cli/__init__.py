@@ -20,11 +20,30 @@ from .store import add_ask_parser, add_demo_parser, add_index_parser, add_verify
 __all__ = ["InputError", "build_parser", "main"]
 
 
+THREADS_HELP = "CPU threads for the model (default: see README \"Threads\")"
+
+
+def add_global_options(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    """Options every command takes, before or after the subcommand (``pced --threads 2 serve`` and
+    ``pced serve --threads 2``). Below the top, the default is SUPPRESS, so a subcommand that does
+    not see the option keeps what the top level parsed."""
+    parser.add_argument("--threads", type=int, default=None if top else argparse.SUPPRESS, help=THREADS_HELP)
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield child
+                yield from _leaf_parsers(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     parser = argparse.ArgumentParser(prog="pced", description="Parallel Context-of-Experts Decoding for RAG")
     parser.add_argument("--version", action="version", version=f"pced {__version__}")
+    add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_generate_parser(sub)
@@ -37,9 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)
-    for command in sub.choices.values():
-        command.add_argument("--threads", type=int, default=None,
-                             help="CPU threads for the model (default: see README \"Threads\")")
+    for command in _leaf_parsers(parser):
+        add_global_options(command)
     return parser
 
 

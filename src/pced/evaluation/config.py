@@ -37,7 +37,7 @@ class EvalConfig:
     prior: Sequence[str] | None = None
     no_repeat_ngram: Sequence[int] | None = None  # every method's runs (None: SamplingConfig's, off)
     paper_defaults: bool = False
-    max_new_tokens: int = 32
+    max_new_tokens: int = SamplingConfig.max_new_tokens
     seed: int = 42
     top_n: int = AskOptions.top_n
     data_dir: str | None = None

@@ -197,7 +197,10 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
     async def health():
         return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
                 "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
-                "kv_pool": worker.pool_health()}
+                "kv_pool": worker.pool_health(),
+                # what a request that leaves these out gets (the page starts from them)
+                "defaults": {"method": AskOptions.method, "top_k": AskOptions.top_k, "max_tokens": limits.default_max_tokens,
+                             "max_tokens_limit": limits.max_tokens}}
 
     @app.get("/v1/models")
     async def models():

@@ -189,9 +189,11 @@ async function ask(event) {
     model: "pced",
     stream: true,
     messages: [{ role: "user", content: question }],
-    max_tokens: Number($("max-tokens").value) || 64,
-    pced: { method: $("method").value, top_k: Number($("top-k").value) || 4 },
+    pced: { method: $("method").value },
   };
+  // a field left empty is left out: the server's default (GET /health "defaults") applies
+  if ($("max-tokens").value) body.max_tokens = Number($("max-tokens").value);
+  if ($("top-k").value) body.pced.top_k = Number($("top-k").value);
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers, body: JSON.stringify(body), signal: controller.signal,
@@ -216,6 +218,11 @@ async function ask(event) {
 async function showModel() {
   try {
     const health = await (await fetch("/health")).json();
+    const defaults = health.defaults || {};
+    if (defaults.top_k && !$("top-k").value) $("top-k").value = defaults.top_k;
+    if (defaults.max_tokens && !$("max-tokens").value) $("max-tokens").value = defaults.max_tokens;
+    if (defaults.max_tokens_limit) $("max-tokens").max = defaults.max_tokens_limit;
+    if (defaults.method) $("method").value = defaults.method;
     $("model").textContent = `Model ${health.model}, ${health.documents} documents. ` +
       "Every answer token is coloured by the document that won it; hover a token for its source.";
   } catch (err) { /* the page still works without it */ }

@@ -24,6 +24,13 @@ def test_json_lines_and_a_json_array_give_the_same_documents(tmp_path):
     assert read_documents(array)[0] == "pced"
 
 
+def test_one_passage_shapes_may_be_mixed(tmp_path):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"pid": "p", "passage_text": "Loft."}) + "\n"
+                     + json.dumps({"title": "T", "text": "No id."}) + "\n")
+    assert [d.id for d in read_corpus(mixed)] == ["a", "p", content_doc_id("T", "No id.")]
+
+
 def test_the_shape_is_chosen_by_content_not_by_the_file_name(tmp_path):
     misnamed = tmp_path / "corpus.txt"
     misnamed.write_text(json.dumps([{"pid": "p1", "title_text": "T", "passage_text": "Loft text."}]))
@@ -55,7 +62,8 @@ def test_question_files_yield_each_paragraph_once(tmp_path):
 @pytest.mark.parametrize("content,message", [
     (json.dumps({"questions": 3, "name": "x"}), "fits no corpus shape; expected one of: {\"id\", \"text\""),
     (json.dumps([{"name": "x", "body": "y"}]), "keys body, name fits no corpus shape"),
-    (json.dumps([{"id": "a", "text": "fine"}, {"pid": "b"}]), "expected the {\"id\", \"text\", \"title\"?} shape"),
+    (json.dumps([{"id": "a", "text": "fine"}, {"pid": "b"}]), "keys pid; expected {\"id\", \"text\", \"title\"?} or LOFT"),
+    (json.dumps([{"context": [["T", ["x"]]]}, {"id": "a", "text": "b"}]), "expected HotpotQA {\"context\""),
     ('[{"id": "a",\n "text": }]', ":2:10: invalid JSON"),
     ('{"id": "a", "text": "x"}\n{oops\n', ":2: invalid JSON"),
 ])

@@ -5,7 +5,8 @@ single record, or HotpotQA's ``{title: [sentences]}`` object); ``.gz`` files are
 A file whose text parses as one JSON document is a document; otherwise it is read as JSON Lines,
 and a bad line is reported with its number.
 
-Record shapes (the first record picks the shape; every record must then fit it):
+Record shapes (the first record picks the shape; every record must then fit it, except that the
+three one-passage shapes, pced, loft and title-text, may be mixed):
 - ``pced``: ``{"id", "text", "title"?}``
 - ``loft``: LOFT's ``{"pid", "passage_text", "title_text"?}``
 - ``title-text``: ``{"title", "text"}`` without an id (MuSiQue's corpus file): id = ``content_doc_id``
@@ -36,6 +37,7 @@ RECORD_SHAPES = {
     "musique-questions": 'MuSiQue {"paragraphs": [{"title", "paragraph_text"}]}',
     "nq-questions": 'NQ {"ctxs": [{"title", "text"}]}',
 }
+FLAT_SHAPES = ("pced", "loft", "title-text")  # one passage a record: they may be mixed in a file
 OBJECT_SHAPES = {"hotpotqa-corpus": "HotpotQA corpus {title: [sentences]}"}
 EXPECTED = "; ".join([*RECORD_SHAPES.values(), *OBJECT_SHAPES.values()])
 
@@ -199,11 +201,12 @@ def read_documents(path: str | Path) -> tuple[str, Iterator[tuple[str, Document 
         raise FormatError(f"{where}: {_keys(value)} fits no corpus shape; expected one of: {EXPECTED}")
 
     def documents() -> Iterator[tuple[str, Document | None]]:
-        fits, read = READERS[shape]
         for where_, value_ in _chain((where, value), values):
-            if not isinstance(value_, dict) or not fits(value_):
-                raise FormatError(f"{where_}: {_keys(value_)}; expected the {RECORD_SHAPES[shape]} shape of the first record")
-            for document in read(value_, where_):
+            own = shape_of(value_)
+            if own != shape and not (own in FLAT_SHAPES and shape in FLAT_SHAPES):
+                expected = " or ".join(RECORD_SHAPES[s] for s in (FLAT_SHAPES if shape in FLAT_SHAPES else (shape,)))
+                raise FormatError(f"{where_}: {_keys(value_)}; expected {expected} (the first record's shape)")
+            for document in READERS[own][1](value_, where_):
                 yield where_, document
 
     return shape, documents()

@@ -108,3 +108,15 @@ def test_store_verify_is_pced_verify(store, capsys):
     short = capsys.readouterr().out
     assert main(["verify", str(store.root)]) == 0
     assert capsys.readouterr().out == short and "0 damaged" in short
+
+
+def test_a_closed_pipe_ends_the_listing_quietly(store):
+    import subprocess
+    import sys
+
+    # the reader goes away before pced writes (pced list STORE | head -0): no error, exit 0
+    child = subprocess.Popen([sys.executable, "-m", "pced.cli", "store", "list", str(store.root)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    assert child.wait(timeout=300) == 0
+    assert b"error" not in child.stderr.read()

@@ -6,6 +6,7 @@ Imports point one way: this module imports the subcommands, the subcommands impo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .bench import add_bench_parser
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             ValueError) as exc:
         print(f"pced: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # pced store list STORE | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""
         print(f"pced: error: {exc.strerror or exc}{where}", file=sys.stderr)

@@ -110,6 +110,7 @@ def test_store_verify_is_pced_verify(store, capsys):
     assert capsys.readouterr().out == short and "0 damaged" in short
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_the_listing_quietly(store):
     import subprocess
     import sys

@@ -71,7 +71,7 @@ def test_index_then_ask_json_end_to_end(tmp_path, tiny_model_dir):
     [
         ([CORPUS[0], CORPUS[0]], "duplicate id 'zorblax'"),
         ([CORPUS[0], "{oops"], "invalid JSON"),
-        ([{"title": "x", "text": "no id"}], "needs 'id' and 'text'"),
+        ([{"name": "x", "body": "no id"}], "fits no corpus shape"),
         ([{"id": "e", "text": "   "}], "no documents"),
     ],
 )

@@ -73,7 +73,8 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prior", choices=PRIORS, default=AskOptions.prior,
                        help=f"the retrieval prior: log (gamma*log r, the paper's; default {RuleConfig.prior}) or standardized "
                             "(gamma*(log r - best log r)/spread of the question's log r: one gamma for every retriever)")
-    group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
+    group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens,
+                       help=f"tokens per answer (default {SAMPLING.max_new_tokens}; the API's max_tokens)")
     group.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy (default)")
     group.add_argument("--sample-top-k", dest="sample_top_k", type=int, default=SAMPLING.top_k,
                        help="sampling: keep the k best tokens")

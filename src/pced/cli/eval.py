@@ -57,7 +57,8 @@ def add_eval_parser(sub) -> None:
                         f"{SamplingConfig.no_repeat_ngram}); {SWEEP_HELP}")
     p.add_argument("--paper-defaults", action="store_true",
                    help="unset PCED settings from the paper's rule (default: the per-model-family defaults)")
-    p.add_argument("--max-new-tokens", default=str(EVAL.max_new_tokens), help=f"default {EVAL.max_new_tokens}")
+    p.add_argument("--max-new-tokens", default=str(EVAL.max_new_tokens),
+                   help=f"tokens per answer (default {EVAL.max_new_tokens})")
     p.add_argument("--seed", default=str(EVAL.seed), help=f"default {EVAL.seed}")
     p.add_argument("--data-dir", default=None, help="shared data folder (default: $PCED_DATA_DIR or ../shared/data)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<dataset>)")

@@ -38,7 +38,7 @@ class EvalConfig:
     prior: Sequence[str] | None = None
     no_repeat_ngram: Sequence[int] | None = None  # every method's runs (None: SamplingConfig's, off)
     paper_defaults: bool = False
-    max_new_tokens: int = 32  # short answers: the datasets' gold answers are a few words
+    max_new_tokens: int = SamplingConfig.max_new_tokens
     seed: int = 42  # dataset shuffles and sampled baselines
     top_n: int = AskOptions.top_n
     data_dir: str | None = None

@@ -192,6 +192,9 @@ def _candidates(documents: list[DocumentIn], limits: Limits) -> list[Candidate]:
 
 
 def _sampling(options: SamplingOptions, limits: Limits) -> SamplingConfig:
+    """The one place the API's names meet the library's: OpenAI's ``max_tokens`` (or its newer
+    ``max_completion_tokens``) is ``SamplingConfig.max_new_tokens`` (``pced ask --max-new-tokens``);
+    left out, it is ``Limits.default_max_tokens``, which is ``SamplingConfig``'s default."""
     max_tokens = options.max_tokens if options.max_tokens is not None else options.max_completion_tokens
     max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= limits.max_tokens:

@@ -11,7 +11,7 @@ chunks, merges, encodes and swaps (one writer). ``layout`` is what both agree on
 
 from .layout import FORMAT, IndexSettings, StoreError
 
-_LAZY = {"DocumentStore": "reader", "index_store": "writer"}  # the model stack loads only when a store is used
+_LAZY = {"DocumentStore": "reader", "index_store": "writer", "remove_documents": "writer"}  # the model stack loads only when a store is used
 
 
 def __getattr__(name: str):
@@ -21,4 +21,4 @@ def __getattr__(name: str):
         return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store"]
+__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store", "remove_documents"]

@@ -42,11 +42,26 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
         return _index_locked(corpus, root, settings, llm, progress, encode_kv)
 
 
+def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
+    """Remove documents (each with its chunks, KV caches and retrieval index entries) from the store
+    at ``root``: the indexing path with nothing added, under the same writer lock, so the retrieval
+    indexes are rebuilt (dense embeddings of the others reused) and swapped in atomically. Readers
+    that opened the store before keep answering from what they loaded. An id the store does not hold
+    is a ``StoreError`` before anything changes."""
+    root = Path(root)
+    if not (root / MANIFEST).is_file():
+        raise StoreError(f"{root} is not a pced store (no manifest.json)")
+    with writer_lock(root):
+        settings = IndexSettings(**json.loads((root / MANIFEST).read_text())["settings"])
+        return _index_locked([], root, settings, llm, False, False, remove=list(doc_ids))
+
+
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
     previous = _previous(root, settings)
+    removed = _removed_ids(previous, remove) if remove else set()  # unknown ids fail before any change
     recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
     llm = llm or load_model(settings.model_path)
@@ -57,6 +72,9 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     limit = settings.document_token_limit(llm.max_context)
     corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
     merged, added, updated = merge_documents(previous.documents if previous else [], corpus)
+    merged = [d for d in merged if d.id not in removed]
+    if remove and not merged:
+        raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
     if encode_kv:
         generator.caches.add([d.render() for d in merged], progress=progress)
@@ -77,7 +95,7 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         "model": {"name": llm.name, "path": llm.path, "fingerprint": llm.fingerprint, "tokenizer_hash": llm.tokenizer_hash},
         "template_hash": generator.builder.digest(),
         "documents": len(merged),
-        "chunked": sorted(set((previous.manifest.get("chunked", []) if previous else []) + chunked)),
+        "chunked": sorted(set((previous.manifest.get("chunked", []) if previous else []) + chunked) - set(remove)),
         "retrievers": describe_indexes(base, settings.bge_m3),
     }
     atomic_write_json(root / MANIFEST, manifest)
@@ -85,8 +103,20 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     orphans = generator.caches.remove_unreferenced(generator.caches.digests([d.render() for d in merged]))
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
               "kv_encoded": generator.caches.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
-              "kv_orphans_removed": orphans}
+              "kv_orphans_removed": orphans, "removed": sorted(removed)}
     return DocumentStore.open(root, generator=generator), report
+
+
+def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[str]:
+    """The stored ids (documents and their chunks) of the requested documents."""
+    from .inventory import group_documents
+
+    groups = group_documents(previous.documents if previous else [], set(previous.manifest.get("chunked", [])) if previous else set())
+    stored = {d.id for d in previous.documents} if previous else set()
+    missing = [i for i in requested if i not in groups and i not in stored]
+    if missing:
+        raise StoreError(f"no document {', '.join(map(repr, missing))} in the store (pced store list shows the ids)")
+    return {d.id for i in requested for d in groups.get(i, [])} | (set(requested) & stored)
 
 
 def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:

@@ -129,6 +129,8 @@ def test_bad_requests_each_get_the_right_4xx(store):
         ("no key", "POST", "/v1/chat/completions", {"json": ok_chat}, 401, "invalid_api_key"),
         ("wrong key", "POST", "/v1/pced/answer", {"json": {"question": "q"}, "headers": {"Authorization": "Bearer nope"}}, 401, "invalid_api_key"),
         ("no key on models", "GET", "/v1/models", {}, 401, "invalid_api_key"),
+        ("no key on health", "GET", "/health", {}, 401, "invalid_api_key"),
+        ("wrong key on health", "GET", "/health", {"headers": {"Authorization": "Bearer nope"}}, 401, "invalid_api_key"),
         ("malformed JSON", "POST", "/v1/chat/completions", {"content": b'{"messages": [', "headers": {**auth, "Content-Type": "application/json"}}, 400, "invalid_json"),
         ("not an object", "POST", "/v1/pced/answer", {"json": [1, 2], "headers": auth}, 400, "invalid_value"),
         ("empty body", "POST", "/v1/pced/answer", {"headers": auth}, 400, None),
@@ -165,7 +167,8 @@ def test_bad_requests_each_get_the_right_4xx(store):
         ("wrong verb", "GET", "/v1/chat/completions", {"headers": auth}, 405, "http_405"),
     ]
     with TestClient(app, raise_server_exceptions=False) as client:
-        assert client.get("/health").status_code == 200  # open without the key
+        assert client.get("/health").status_code == 401  # it tells the model, documents and queue: keyed
+        assert client.get("/").status_code == 200 and client.get("/static/app.js").status_code == 200  # the page's files
         for name, method, path, kwargs, status, code in cases:
             response = client.request(method, path, **kwargs)
             assert response.status_code == status, (name, response.status_code, response.text)
@@ -174,7 +177,7 @@ def test_bad_requests_each_get_the_right_4xx(store):
             assert code is None or error["code"] == code, (name, error)
             assert "Traceback" not in response.text
         assert client.post("/v1/pced/answer", json={"question": QUESTION, "max_tokens": 2}, headers=auth).status_code == 200
-        assert client.get("/health").json()["failed"] == 2  # colbert and the long document reached the worker
+        assert client.get("/health", headers=auth).json()["failed"] == 2  # colbert and the long document reached the worker
 
 
 def test_unexpected_failures_are_500_without_details_and_queue_limits_503(store, monkeypatch):

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .documents import Document
+from .errors import UserError
 
 log = logging.getLogger("pced.corpus")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus file pced refuses to index (reported as one line)."""
 
 

@@ -15,6 +15,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from .errors import UserError
 from .rule import RuleConfig
 
 EMBEDDED = "embedded"  # the --model setting (and store setting) of the embedded default model

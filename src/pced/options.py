@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .errors import UserError
 from .sampling import SamplingConfig
 from .defaults import resolve_rule
 from .rule import Beta, RuleConfig
@@ -30,7 +31,7 @@ MAX_TOP_K = 64
 MAX_TOP_N = 1000
 
 
-class QuestionError(ValueError):
+class QuestionError(UserError):
     """A question that cannot be asked; ``code`` names the reason (for the server's error body)."""
 
     def __init__(self, message: str, code: str):
@@ -59,7 +60,7 @@ def check_question(question: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
 
 def check_method(method: str) -> str:
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return method
 
 
@@ -82,9 +83,9 @@ class VLLMSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
-            raise ValueError("max_num_seqs and tensor_parallel_size must be at least 1")
+            raise UserError("max_num_seqs and tensor_parallel_size must be at least 1")
 
         if self.kv_transfer_config is not None:
             self.kv_transfer()  # a missing or malformed file is refused before any engine starts
@@ -94,9 +95,9 @@ class VLLMSettings:
         try:
             value = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
+            raise UserError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
         if not isinstance(value, dict) or "kv_connector" not in value:
-            raise ValueError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
+            raise UserError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
                              "(vLLM's KVTransferConfig, e.g. LMCacheConnectorV1)")
         return value
 
@@ -137,31 +138,31 @@ class AskOptions:
     def __post_init__(self) -> None:
         check_method(self.method)
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
+            raise UserError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise UserError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if not 0 <= self.max_joins <= MAX_TOP_K:
-            raise ValueError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
+            raise UserError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
         if self.backend == "vllm" and (self.rescore or self.max_joins):
-            raise ValueError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
+            raise UserError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
         if self.backend == "vllm" and self.method != "pced":
-            raise ValueError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
+            raise UserError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.sampling.temperature > 0:
-            raise ValueError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
+            raise UserError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
         if self.backend == "vllm" and self.sampling.no_repeat_ngram:
-            raise ValueError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
+            raise UserError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
         if not 1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
+            raise UserError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
         if not 1 <= self.top_n <= MAX_TOP_N:
-            raise ValueError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
+            raise UserError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
         if self.max_experts is not None and not 1 <= self.max_experts <= MAX_TOP_K:
-            raise ValueError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
+            raise UserError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
         if self.prune_margin is not None and not (math.isfinite(self.prune_margin) and self.prune_margin >= 0):
-            raise ValueError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
+            raise UserError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
         if self.ape_temperature <= 0 or self.ape_scale <= 0:
-            raise ValueError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
+            raise UserError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
         if self.summary_tokens < 1:
-            raise ValueError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
+            raise UserError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
         self.rule(None)  # a bad beta / gamma / aggregation / score space / prior fails here, before any model loads
 
     def rule(self, model: object = None) -> RuleConfig:

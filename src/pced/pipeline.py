@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 from .answers import Answer, Step, answer_json
 from .decoding import Generation
 from .documents import Candidate
+from .errors import UserError
 from .methods import make_generation
 from .options import AskOptions, check_question
 
@@ -102,7 +103,7 @@ def follow_for(retrieve, generator, question: str, options: AskOptions):
     if options.method != "pced" or not (options.rescore or options.max_joins):
         return None
     if retrieve is None:
-        raise ValueError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
+        raise UserError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
     from .methods.follow import Follow
 
     return Follow(question, retrieve, generator.load, options.top_k, options.rescore, options.max_joins)

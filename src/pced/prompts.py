@@ -26,6 +26,8 @@ import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
+from .errors import UserError
+
 CONTEXT_SEPARATOR = "\n\n"
 _DOC_SENTINEL = "\u2063PCED-CONTEXT\u2063"
 _QUESTION_SENTINEL = "\u2063PCED-QUESTION\u2063"
@@ -80,7 +82,7 @@ ICL_TEMPLATE = Template(
 TEMPLATES = {"rag": RAG_TEMPLATE, "icl": ICL_TEMPLATE}
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """A chat template pced cannot split into prefix / context / suffix."""
 
 

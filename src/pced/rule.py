@@ -48,6 +48,8 @@ from typing import Union
 
 import torch
 
+from .errors import UserError
+
 R_MIN, R_MAX = 1e-8, 1.0 - 1e-8
 AMATEUR = -1
 AGGREGATIONS = ("max", "moe", "poe")
@@ -73,17 +75,17 @@ class RuleConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, str) and self.beta not in BETA_MODES:
-            raise ValueError(f"beta must be a number or one of {', '.join(BETA_MODES)}, got {self.beta!r}")
+            raise UserError(f"beta must be a number or one of {', '.join(BETA_MODES)}, got {self.beta!r}")
         if not isinstance(self.beta, str) and not math.isfinite(float(self.beta)):
-            raise ValueError(f"beta must be finite, got {self.beta!r}")
+            raise UserError(f"beta must be finite, got {self.beta!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+            raise UserError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.score_space not in SCORE_SPACES:
-            raise ValueError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
+            raise UserError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
         if self.prior not in PRIORS:
-            raise ValueError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
+            raise UserError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
         if not math.isfinite(self.gamma) or self.gamma < 0:
-            raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
+            raise UserError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
 
 
 def js_divergence(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
@@ -215,7 +217,7 @@ class ContrastiveRule:
     def set_relevance(self, relevance: torch.Tensor) -> None:
         """Decode-time relevance: new r_k for the experts, from the next step on."""
         if relevance.shape != self.relevance.shape:
-            raise ValueError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
+            raise UserError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
         self.relevance = relevance.float()
         self._prior = None
 

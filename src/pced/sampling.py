@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -20,8 +22,8 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+            raise UserError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
         if isinstance(self.no_repeat_ngram, bool) or not isinstance(self.no_repeat_ngram, int) or self.no_repeat_ngram < 0:
-            raise ValueError(f"no_repeat_ngram must be an integer >= 0 (0 = off), got {self.no_repeat_ngram!r}")
+            raise UserError(f"no_repeat_ngram must be an integer >= 0 (0 = off), got {self.no_repeat_ngram!r}")

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import UserError
 from ..kv.buffer import BufferCache, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
@@ -200,7 +201,7 @@ def check_window(llm: LoadedModel, method: str, what: str, prompt_tokens: int, m
     """Refuse a prompt that cannot fit the model's window with the requested new tokens."""
     max_context = llm.max_context
     if max_context and prompt_tokens + max_new_tokens > max_context:
-        raise ValueError(
+        raise UserError(
             f"{method}: the {what} has {prompt_tokens} tokens; with {max_new_tokens} new tokens it exceeds "
             f"the model's {max_context}-token window"
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from .bench import add_bench_parser
 from .common import InputError
@@ -40,12 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..corpus import CorpusError
-    from ..decoding import DecodingError
-    from ..kv.format import CacheError
-    from ..llm import ModelLoadError
-    from ..prompts import PromptError
-    from ..store import StoreError
+    from ..errors import DataError, PcedError, UserError
 
     from .threads import configure_threads
 
@@ -54,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_threads(args.threads)
         return args.func(args)
-    except (InputError, ModelLoadError, CacheError, DecodingError, PromptError, CorpusError, StoreError,
-            ValueError) as exc:
+    except (UserError, DataError) as exc:  # bad input, or stored data that is damaged: one line
         print(f"pced: error: {exc}", file=sys.stderr)
         return 2
+    except PcedError as exc:  # an engine that stopped: its own line, not the user's fault
+        print(f"pced: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""
         print(f"pced: error: {exc.strerror or exc}{where}", file=sys.stderr)
@@ -65,5 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pced: interrupted", file=sys.stderr)
         return 130
-
-
+    except Exception:  # a bug: never reported as the user's fault
+        traceback.print_exc(file=sys.stderr)
+        print("pced: internal error, please report it with the traceback above", file=sys.stderr)
+        return 1

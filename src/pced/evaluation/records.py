@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from pced.documents import Document
+from pced.errors import UserError
 
 __all__ = ["Dataset", "DatasetError", "Example"]
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """Bad dataset name or files; the message is one line, fit for the CLI to print as is."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DataError
 from pced.fingerprint import files_fingerprint
 from pced.fs import atomic_path, atomic_write_json
 
@@ -68,9 +69,9 @@ def read_manifest(directory: str | os.PathLike, expected_type: str | None = None
         raise FileNotFoundError(f"no retrieval index at {directory} ({MANIFEST} missing)")
     manifest = load_json(path)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+        raise DataError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
     if expected_type is not None and manifest.get("type") != expected_type:
-        raise ValueError(f"{path}: index type {manifest.get('type')!r}, expected {expected_type!r}")
+        raise DataError(f"{path}: index type {manifest.get('type')!r}, expected {expected_type!r}")
     return manifest
 
 

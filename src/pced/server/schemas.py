@@ -15,6 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
@@ -40,9 +41,17 @@ class Limits:
     max_stop_chars: int = 64
     max_queue: int = 64
     max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
+    request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.request_timeout_s <= 0:
+            raise UserError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request the server refuses: reported as {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400,
@@ -228,7 +237,7 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
                              rerank=pced.rerank, beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation,
                              score_space=pced.score_space, prior=pced.prior, max_experts=pced.max_experts,
                              prune_margin=pced.prune_margin, rescore=pced.rescore, max_joins=pced.max_joins)
-    except ValueError as exc:
+    except UserError as exc:
         raise RequestError(str(exc), "pced") from None
     candidates = _candidates(documents, limits) if documents is not None else None
     decoding = replace(_sampling(sampling, limits), no_repeat_ngram=pced.no_repeat_ngram)

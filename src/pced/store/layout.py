@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..defaults import EMBEDDED, is_embedded
 from ..documents import Document
+from ..errors import DataError
 from ..fs import atomic_write_lines, recover_directory
 from ..options import DEFAULT_STORAGE_DTYPE
 
@@ -17,8 +18,10 @@ DOCUMENTS = "documents.jsonl"
 RETRIEVERS_DIR = "retrievers"
 
 
-class StoreError(RuntimeError):
+class StoreError(DataError):
     """A store that cannot be opened or extended as asked (reported as one line)."""
+
+    code = "damaged_store"
 
 
 @dataclass

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..documents import Candidate, Document
+from ..errors import UserError
 from ..generator import Generator
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
@@ -85,6 +86,8 @@ class DocumentStore:
 
         try:
             return open_retriever(self.root / RETRIEVERS_DIR, name, self.settings.bge_m3, self._retrievers)
+        except UserError:  # a retriever this store was not built for: the question's fault
+            raise
         except ValueError as exc:
             raise StoreError(str(exc)) from None
 

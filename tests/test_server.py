@@ -210,3 +210,58 @@ def test_health_reports_the_device_pool_it_answers_from(tmp_path_factory, tiny_l
         pool = client.get("/health").json()["kv_pool"]
     assert answers[0]["answer"] == answers[1]["answer"] == direct_answer(store, QUESTION, 3, 6)["answer"]
     assert pool["budget_bytes"] == 2**29 and pool["entries"] == 3 and pool["misses"] == 3 and pool["hits"] >= 3
+
+
+@pytest.mark.parametrize("method", ["pced", "mapreduce"])
+def test_a_request_over_the_time_limit_ends_with_its_error_and_the_next_request_runs(store, monkeypatch, method):
+    import time
+
+    import pced.decoding
+
+    pick = pced.decoding.pick_token
+
+    def slow_pick(*args, **kwargs):  # a slow model: 0.1 s a token (mapreduce: its map calls too)
+        time.sleep(0.1)
+        return pick(*args, **kwargs)
+
+    app = create_app(store, Limits(request_timeout_s=0.5))
+    body = {"question": QUESTION, "top_k": 3, "max_tokens": 64, "method": method}
+    with TestClient(app) as client:
+        monkeypatch.setattr("pced.decoding.pick_token", slow_pick)
+        started = time.monotonic()
+        response = client.post("/v1/pced/answer", json=body)
+        elapsed = time.monotonic() - started
+        health = client.get("/health").json()
+        assert response.status_code == 504, response.text
+        error = response.json()["error"]
+        assert error["code"] == "timeout" and "time limit of 0.5 s" in error["message"], error
+        assert elapsed < 2.0 and health["timed_out"] == 1 and health["pending"] == 0
+        assert health["last_tokens"] < 64  # stopped, not run to the end
+        stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                            "max_tokens": 64, "stream": True, "pced": {"method": method}})
+        if method == "pced":  # it started (200), then stopped at the limit: an error event ends the stream
+            assert stream.status_code == 200 and sse_chunks(stream.text.splitlines())[-1]["error"]["code"] == "timeout"
+        else:  # the map calls ran into the limit before the first token: still a status code
+            assert stream.status_code == 504 and stream.json()["error"]["code"] == "timeout"
+        monkeypatch.setattr("pced.decoding.pick_token", pick)
+        after = client.post("/v1/pced/answer", json={**body, "method": "pced", "max_tokens": 2})
+        assert after.status_code == 200 and len(after.json()["trace"]) == 2
+        assert client.get("/health").json()["timed_out"] == 2
+
+
+@pytest.mark.parametrize("header, server, names, allowed", [
+    ("127.0.0.1:8000", ("127.0.0.1", 8000), (), True),
+    ("localhost:8000", ("127.0.0.1", 8000), (), True),
+    ("[::1]:8000", ("::1", 8000), (), True),
+    ("192.168.1.5:8000", ("192.168.1.5", 8000), (), True),  # bound to 0.0.0.0, reached on this address
+    ("evil.example:8000", ("127.0.0.1", 8000), (), False),
+    ("localhost:9000", ("127.0.0.1", 8000), (), False),
+    ("localhost", ("127.0.0.1", 8000), (), False),  # port 80 implied
+    ("", ("127.0.0.1", 8000), (), False),
+    ("pced.lan:8000", ("10.0.0.2", 8000), ("pced.lan",), True),
+    ("testserver", ("testserver", 80), (), True),
+])
+def test_host_allowed(header, server, names, allowed):
+    from pced.server.app import host_allowed
+
+    assert host_allowed(header, server, names) is allowed

@@ -36,7 +36,7 @@ from ..backends.rows import PlainRows
 from ..decoding import Generation, PlainScoring
 from ..llm import LoadedModel
 from ..options import AskOptions
-from ..prompts import PromptBuilder
+from ..prompts import PromptBuilder, render_chat
 from .concat import PlainGeneration
 
 MAP_INSTRUCTION = "Summarize the given documents concisely, focusing on the key points and main ideas."
@@ -44,12 +44,7 @@ MAP_INSTRUCTION = "Summarize the given documents concisely, focusing on the key 
 
 def map_prompt_ids(tokenizer: object, document: str, instruction: str = MAP_INSTRUCTION) -> list[int]:
     """The map call's prompt: system = instruction, user = document, then the generation prompt."""
-    messages = [{"role": "system", "content": instruction}, {"role": "user", "content": document.strip()}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        merged = [{"role": "user", "content": instruction + "\n\n" + document.strip()}]
-        text = tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, instruction, document.strip())
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

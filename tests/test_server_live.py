@@ -131,7 +131,7 @@ def test_pced_serve_command(tmp_path, store, capsys):
         def healthy():
             assert server.poll() is None, (tmp_path / "serve.log").read_text()
             try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                return httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 

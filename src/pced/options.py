@@ -10,12 +10,11 @@ the paper's rule with the model family's measured overrides, or the paper's alon
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .sampling import SamplingConfig
+from .sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
 from .defaults import resolve_rule
 from .rule import Beta, RuleConfig
 
@@ -137,6 +136,10 @@ class AskOptions:
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        for name in ("top_k", "top_n", "max_joins", "max_experts"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                raise UserError(f"{name} must be an integer, got {value!r}")
         if self.retriever not in RETRIEVERS:
             raise UserError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
@@ -157,12 +160,14 @@ class AskOptions:
             raise UserError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
         if self.max_experts is not None and not 1 <= self.max_experts <= MAX_TOP_K:
             raise UserError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
-        if self.prune_margin is not None and not (math.isfinite(self.prune_margin) and self.prune_margin >= 0):
+        if self.prune_margin is not None and not (is_number(self.prune_margin) and self.prune_margin >= 0):
             raise UserError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
-        if self.ape_temperature <= 0 or self.ape_scale <= 0:
-            raise UserError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
-        if self.summary_tokens < 1:
-            raise UserError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
+        if not (is_number(self.ape_temperature) and is_number(self.ape_scale)
+                and 0 < self.ape_temperature <= TEMPERATURE[1] and 0 < self.ape_scale <= TEMPERATURE[1]):
+            raise UserError(f"APE needs temperature and scale in (0, {TEMPERATURE[1]:g}], "
+                            f"got T={self.ape_temperature!r}, S={self.ape_scale!r}")
+        if not is_int(self.summary_tokens) or not 1 <= self.summary_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"summary_tokens must be between 1 and {MAX_NEW_TOKENS}, got {self.summary_tokens!r}")
         self.rule(None)  # a bad beta / gamma / aggregation / score space / prior fails here, before any model loads
 
     def rule(self, model: object = None) -> RuleConfig:

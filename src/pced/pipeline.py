@@ -65,6 +65,10 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
     relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
     (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
+    window = generator.llm.max_context
+    if window and options.sampling.max_new_tokens >= window:  # before any cache is loaded or buffer allocated
+        raise UserError(f"max_new_tokens {options.sampling.max_new_tokens} does not fit the model's {window}-token "
+                        "window with a prompt")
     rule = options.rule(generator.llm)
     candidates = list(candidates)
     if options.method == "pced":

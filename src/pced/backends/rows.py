@@ -75,6 +75,7 @@ class ExpertRows(CachedRows):
         lengths = [0] + [kv.n_tokens for kv in caches]
         longest, batch = max(lengths), len(lengths)
         suffix_len = max(len(self.suffix_ids), len(self.amateur_suffix_ids))
+        check_window(self.llm, "pced", "longest expert's prompt", prefix_len + longest + suffix_len, self.max_new_tokens)
         capacity = prefix_len + longest + suffix_len + self.max_new_tokens
         # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
         cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)

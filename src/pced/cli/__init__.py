@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ..errors import DataError, PcedError, UserError
 
+    from .terminal import printable
     from .threads import configure_threads
 
     parser = build_parser()
@@ -51,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         configure_threads(args.threads)
         return args.func(args)
     except (UserError, DataError) as exc:  # bad input, or stored data that is damaged: one line
-        print(f"pced: error: {exc}", file=sys.stderr)
+        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
         return 2
     except PcedError as exc:  # an engine that stopped: its own line, not the user's fault
-        print(f"pced: error: {exc}", file=sys.stderr)
+        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
         return 1
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""

@@ -1,4 +1,8 @@
-"""Human-readable answers: every token coloured by the document that won it, plus a legend."""
+"""Human-readable answers: every token coloured by the document that won it, plus a legend.
+
+User text (questions, ids, titles, and the tokens, which may copy a document) is printed
+literally: never read as rich markup, and with control characters (terminal escape sequences,
+bidirectional overrides) shown as escapes rather than sent to the terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..answers import Answer
+from .terminal import printable
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
 AMATEUR_STYLE = "dim"
@@ -26,9 +31,9 @@ def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
         wins[step.doc_id] = wins.get(step.doc_id, 0) + 1
     text = Text()
     for c in candidates:
-        label = c.document.title or c.document.text[:50]
+        label = printable(c.document.title or c.document.text[:50], newlines=False)
         text.append("  ■ ", style=styles[c.document.id])
-        text.append(f"{c.document.id}  r={c.relevance:.3f}  tokens won: {wins.get(c.document.id, 0):>3}")
+        text.append(f"{printable(c.document.id, newlines=False)}  r={c.relevance:.3f}  tokens won: {wins.get(c.document.id, 0):>3}")
         text.append(f"  {label}\n" if titles else "\n", style="dim")
     if wins.get(None):
         text.append("  ■ ", style=AMATEUR_STYLE)
@@ -42,10 +47,10 @@ def stream_answer(generation, candidates: Sequence, question: str, console: Cons
     """Print the question, then each token as it is chosen, coloured by its document; then the legend."""
     console = console or Console(highlight=False)
     styles = doc_styles([c.document.id for c in candidates])
-    console.print(f"[bold]Q:[/bold] {question}")
-    console.print("[bold]A:[/bold] ", end="")
+    console.print(Text.assemble(("Q: ", "bold"), printable(question)))
+    console.print(Text("A: ", style="bold"), end="")
     for step in generation:
-        console.print(Text(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
+        console.print(Text(printable(step.text), style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
     console.print()
     answer = generation.answer()
     if answer.amateur_only:

@@ -21,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding import TimeLimitError
+from ..errors import UserError
 from ..options import AskOptions, VLLMSettings
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
@@ -184,6 +185,10 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, exc: UserError):  # a setting a dataclass refused on the way in
+        return error_response(400, str(exc), code=exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

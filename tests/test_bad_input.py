@@ -73,6 +73,12 @@ def test_unbounded_or_invalid_ask_options_are_refused_before_any_model_loads(sto
     one_line_error(capsys, main(["ask", str(store_dir), *argv]), expected)
 
 
+@pytest.mark.parametrize("value", ["0", "nan", "-5"])
+def test_a_request_timeout_that_is_not_a_positive_number_is_refused(store_dir, capsys, value):
+    one_line_error(capsys, main(["serve", str(store_dir), "--request-timeout", value]),
+                   "--request-timeout must be a finite number of seconds > 0")
+
+
 def test_library_settings_are_refused_by_the_dataclasses_that_own_them():
     from pced.errors import UserError
     from pced.options import AskOptions

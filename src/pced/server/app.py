@@ -57,8 +57,6 @@ def as_request_error(exc: BaseException) -> RequestError:
                         status=500, type_="server_error")
 
 
-
-
 def open_with_key(path: str) -> bool:
     """The page and its static files stay open with --api-key: they are the same files for every
     server (no model, document or queue in them), and the page must load to let its user type the key."""

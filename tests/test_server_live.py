@@ -182,6 +182,7 @@ def test_langchain_chat_openai_against_pced_serve(server, store):
     assert "".join(chunk.content for chunk in chat.stream(QUESTION)) == direct["answer"]
 
 
+@pytest.mark.slow
 def test_without_a_key_only_host_headers_naming_the_server_are_answered(store):
     """DNS rebinding: a page on another site whose name resolves to 127.0.0.1 sends its own Host."""
     with live_server(create_app(store)) as url:
@@ -200,6 +201,7 @@ def test_without_a_key_only_host_headers_naming_the_server_are_answered(store):
         assert httpx.get(f"{url}/health", headers={"Host": f"pced.lan:{port}"}, timeout=30).status_code == 200
 
 
+@pytest.mark.slow
 def test_with_a_key_every_route_that_tells_anything_needs_it_whatever_the_host(server):
     url, _ = server
     for path in ("/health", "/v1/models"):

@@ -1,9 +1,14 @@
 """Every bad input a user can give gets one line on stderr and exit 2 (CLI) or a 4xx JSON error
-(server); never a traceback, never a 500, never damaged stored data."""
+(server); never a traceback, never a 500, never damaged stored data.
+
+Sections: settings (the dataclasses that own them refuse them, for the CLI, the library and the
+server alike); stored data (manifests, retrieval indexes); files given to commands (corpora,
+--docs, eval data); user text printed literally; the server; concurrent and repeated indexing."""
 
 import contextlib
 import errno
 import json
+import shutil
 import subprocess
 import sys
 
@@ -53,9 +58,153 @@ def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     (["Who?", "--no-repeat-ngram", "3", "--backend", "vllm"], "--no-repeat-ngram is not supported with --backend vllm"),
     (["  "], "the question is empty"),
     (["Who?", "--backend", "vllm", "--kv-transfer-config", "/nonexistent/kv.json"], "not a readable JSON file"),
+    (["Who?", "--temperature", "1e-300"], "temperature must be 0 (greedy) or between 0.01 and 10"),
+    (["Who?", "--temperature", "nan"], "temperature must be 0 (greedy)"),
+    (["Who?", "--temperature", "0.5", "--sample-top-p", "1e-300"], "top_p must be between 0.01 and 1"),
+    (["Who?", "--beta", "1e308"], "beta must be dynamic or elementwise or a number between 0 and 10"),
+    (["Who?", "--beta", "-1"], "beta must be"),
+    (["Who?", "--gamma", "1e308"], "gamma must be a number between 0 and 1000"),
+    (["Who?", "--gamma", "inf"], "gamma must be"),
+    (["Who?", "--max-new-tokens", "100000000"], "max_new_tokens must be an integer between 1 and"),
+    (["Who?", "--seed", "-5"], "seed must be an integer between 0 and 2**63 - 1"),
+    (["Who?", "--stop", ""], "stop must be a tuple of non-empty strings"),
+    (["Who?", "--prune-margin", "nan"], "prune_margin must be a finite number"),
 ])
 def test_unbounded_or_invalid_ask_options_are_refused_before_any_model_loads(store_dir, capsys, argv, expected):
     one_line_error(capsys, main(["ask", str(store_dir), *argv]), expected)
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "-5"])
+def test_a_request_timeout_that_is_not_a_positive_number_is_refused(store_dir, capsys, value):
+    one_line_error(capsys, main(["serve", str(store_dir), "--request-timeout", value]),
+                   "--request-timeout must be a finite number of seconds > 0")
+
+
+def test_library_settings_are_refused_by_the_dataclasses_that_own_them():
+    from pced.errors import UserError
+    from pced.options import AskOptions
+    from pced.rule import RuleConfig
+    from pced.sampling import SamplingConfig
+
+    for make in (lambda: SamplingConfig(temperature=1e-300), lambda: SamplingConfig(temperature=0.5, top_p=1e-300),
+                 lambda: SamplingConfig(max_new_tokens=100_000_000), lambda: SamplingConfig(max_new_tokens=True),
+                 lambda: RuleConfig(beta=1e308), lambda: RuleConfig(gamma=float("nan")),
+                 lambda: AskOptions(beta=1e308), lambda: AskOptions(top_k=2.5), lambda: AskOptions(ape_scale=float("inf"))):
+        with pytest.raises(UserError):
+            make()
+
+
+def test_max_new_tokens_beyond_the_models_window_is_one_line_before_any_buffer(store_dir, tiny_model_dir, capsys):
+    # the tiny model's window is 2048: 100,000 is within the absolute cap, not within the window
+    code = main(["ask", str(store_dir), "Who?", "--model", str(tiny_model_dir), "--max-new-tokens", "100000"])
+    one_line_error(capsys, code, "max_new_tokens 100000 does not fit the model's 2048-token window")
+    code = main(["ask", str(store_dir), "Who?", "--model", str(tiny_model_dir), "--max-new-tokens", "2040"])
+    one_line_error(capsys, code, "with 2040 new tokens it exceeds the model's 2048-token window")
+
+
+# -- stored data ------------------------------------------------------------------------------
+
+
+def _drop(key):
+    def change(manifest):
+        del manifest[key]
+        return manifest
+    return change
+
+
+def _setting(key, value):
+    def change(manifest):
+        manifest["settings"][key] = value
+        return manifest
+    return change
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda manifest: [], "expected a JSON object, found list"),
+    (_drop("settings"), "no 'settings' object"),
+    (_drop("model"), "'model' must be an object"),
+    (_setting("colour", "red"), "unknown setting 'colour'"),
+    (_setting("template", "fancy"), "settings.template must be one of rag, icl"),
+    (_setting("max_doc_tokens", "many"), "settings.max_doc_tokens must be an integer"),
+], ids=["list", "no-settings", "no-model", "unknown-setting", "bad-template", "bad-max-doc-tokens"])
+def test_a_manifest_off_its_schema_is_one_line_naming_it(store_dir, tiny_model_dir, tmp_path, capsys, change, expected):
+    copy = tmp_path / "store"
+    shutil.copytree(store_dir, copy)
+    manifest = copy / "manifest.json"
+    manifest.write_text(json.dumps(change(json.loads(manifest.read_text()))))
+    one_line_error(capsys, main(["verify", str(copy)]), f"{manifest}: {expected}")
+    one_line_error(capsys, main(["ask", str(copy), "Who?", "--model", str(tiny_model_dir)]), f"{manifest}: {expected}")
+    manifest.write_text("{not json")
+    one_line_error(capsys, main(["verify", str(copy)]), f"{manifest}: not readable JSON")
+
+
+def test_a_truncated_dense_index_fails_verify_and_ask_naming_the_file(store_dir, tiny_model_dir, tmp_path, capsys):
+    import numpy as np
+
+    copy = tmp_path / "store"
+    shutil.copytree(store_dir, copy)
+    embeddings = copy / "retrievers" / "dense" / "embeddings.npy"
+    full = embeddings.read_bytes()
+    embeddings.write_bytes(full[: len(full) // 2])
+    assert main(["verify", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert f"pced: damaged: {embeddings}: missing or damaged index file" in err and "Traceback" not in err, err
+    one_line_error(capsys, main(["ask", str(copy), "Who?", "--model", str(tiny_model_dir)]), f"{embeddings}: missing or damaged")
+    np.save(embeddings, np.load(store_dir / "retrievers" / "dense" / "embeddings.npy")[:1])  # whole, but a row short
+    one_line_error(capsys, main(["ask", str(copy), "Who?", "--model", str(tiny_model_dir)]),
+                   f"{embeddings}: (1, 384) embeddings for 2 documents")
+    shutil.copy(store_dir / "retrievers" / "dense" / "embeddings.npy", embeddings)
+    assert main(["verify", str(copy)]) == 0
+
+
+# -- files given to commands ------------------------------------------------------------------
+
+
+def test_a_hotpotqa_file_of_the_wrong_shape_is_named_by_pced_eval(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "data"
+    (data / "hotpotqa").mkdir(parents=True)
+    rows = [{"_id": "q1", "question": "Who?", "answer": "Mira", "context": [["Zorblax", ["It was founded by Mira."]]]}]
+    path = data / "hotpotqa" / "hotpotqa_train_100.json"
+    path.write_text(json.dumps(rows))  # no supporting_facts
+    code = main(["eval", "--dataset", "hotpotqa", "--data-dir", str(data), "--limit", "1", "--model", str(tiny_model_dir),
+                 "--out", str(tmp_path / "out"), "--no-progress"])
+    one_line_error(capsys, code, f"{path}: not a HotpotQA file: a record has no field 'supporting_facts'")
+    path.write_text(json.dumps([{**rows[0], "supporting_facts": [["Zorblax"]]}]))  # a pair cut short
+    code = main(["eval", "--dataset", "hotpotqa", "--data-dir", str(data), "--limit", "1", "--model", str(tiny_model_dir),
+                 "--out", str(tmp_path / "out"), "--no-progress"])
+    one_line_error(capsys, code, f"{path}: not a HotpotQA file: a record has an unexpected shape")
+
+
+@pytest.mark.parametrize("digits", [401, 5000])
+def test_a_score_with_hundreds_of_digits_is_one_line(tmp_path, capsys, digits):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"id": "a", "text": "Mira Quell founded Zorblax.", "score": ' + "9" * digits + "}\n")
+    # 401 digits parse (and used to overflow float()); 5000 pass Python's digit limit for int()
+    expected = "'score' must be a number in [0, 1]" if digits == 401 else "invalid JSON (Exceeds the limit"
+    one_line_error(capsys, main(["generate", "--docs", str(docs), "--question", "Who?"]), f"{docs}:1: {expected}")
+
+
+# -- user text printed literally --------------------------------------------------------------
+
+
+def test_markup_in_a_question_is_printed_literally(store_dir, tiny_model_dir, capsys):
+    question = "Who [/] founded [red]Zorblax[/red]?"
+    code = main(["ask", str(store_dir), question, "--model", str(tiny_model_dir), "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and f"Q: {question}" in out and "Traceback" not in err, (out, err)
+
+
+def test_terminal_escapes_in_ids_titles_and_questions_are_shown_not_sent(tmp_path, tiny_model_dir, capsys):
+    docs = write_jsonl(tmp_path / "docs.jsonl", [
+        {"id": "evil\x1b[31m", "title": "\x1b]0;pwned\x07Title", "text": "Mira Quell founded Zorblax.", "score": 0.9},
+        {"id": "bidi\u202eexe.txt", "text": "Oskvale is a fishing town.", "score": 0.5},
+    ])
+    code = main(["generate", "--docs", str(docs), "--question", "Who \x1b[2J founded Zorblax?", "--model",
+                 str(tiny_model_dir), "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "\x1b" not in out and "\x07" not in out and "\u202e" not in out, repr(out)
+    assert "evil\\x1b[31m" in out and "\\x1b]0;pwned\\x07Title" in out and "bidi\\u202eexe.txt" in out
+    assert "Who \\x1b[2J founded" in out
 
 
 def test_a_kv_transfer_config_without_a_connector_is_refused_before_any_engine_starts(store_dir, tmp_path, capsys):
@@ -112,6 +261,31 @@ def test_server_refuses_lone_surrogates_and_oversized_input(store_dir, tiny_llm)
             assert response.status_code == 400, (body[:60], response.text)
             error = response.json()["error"]
             assert error["code"] == code and error["param"] == param, error
+
+
+def test_server_refuses_numbers_out_of_range_with_a_400(store_dir, tiny_llm):
+    from fastapi.testclient import TestClient
+
+    from pced.server import Limits, create_app
+
+    app = create_app(DocumentStore.open(store_dir, tiny_llm), Limits(max_tokens=100_000))
+    chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 2}
+    cases = [
+        ("/v1/chat/completions", {**chat, "temperature": 1e-300}, "temperature"),
+        ("/v1/chat/completions", {**chat, "temperature": 0.5, "top_p": 1e-300}, "top_p"),
+        ("/v1/pced/answer", {"question": "Who?", "max_tokens": 2, "beta": 1e308}, "beta must be"),
+        ("/v1/pced/answer", {"question": "Who?", "max_tokens": 2, "gamma": 1e308}, "gamma must be"),
+        ("/v1/chat/completions", {**chat, "pced": {"beta": 1e308}}, "beta must be"),
+        ("/v1/pced/answer", {"question": "Who?", "max_tokens": 100_000}, "does not fit the model's 2048-token window"),
+        ("/v1/pced/answer", {"question": "Who?", "max_tokens": 2040}, "exceeds the model's 2048-token window"),
+    ]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for path, body, expected in cases:
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and expected in (error["message"] + str(error["param"])), error
+        assert client.post("/v1/pced/answer", json={"question": "Who?", "max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """Citations from the trace: sentences, shares, the JSON contract, the server and the CLI."""
 
 import io
-import json
 
 import pytest
 

@@ -58,3 +58,35 @@ def test_prefix_is_shared_and_digest_tracks_template(tokenizer):
     assert rag.digest() != icl.digest()
     assert rag.digest() == PromptBuilder(tokenizer, RAG_TEMPLATE).digest()
     assert "Example(s):" in tokenizer.decode(icl.context_ids(["x"]))
+
+
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                      "<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|bot|>{% endif %}")
+
+
+def test_a_template_that_refuses_the_system_role_gets_it_folded_into_the_user_turn(embedded_tokenizer_dir):
+    from pced.methods.mapreduce import map_prompt_ids
+    from pced.prompts import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
+    tokenizer.chat_template = NO_SYSTEM_TEMPLATE
+    assert render_chat(tokenizer, "Be brief.", "Who?") == "<|user|>Be brief.\n\nWho?<|end|><|bot|>"
+    expected = tokenizer("<|user|>Summarize this.\n\nA document.<|end|><|bot|>", add_special_tokens=False)["input_ids"]
+    assert map_prompt_ids(tokenizer, " A document. ", "Summarize this.") == list(expected)
+
+
+def test_any_other_chat_template_failure_is_not_hidden(embedded_tokenizer_dir, monkeypatch):
+    from pced.methods.mapreduce import map_prompt_ids
+    from pced.prompts import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug in the tokenizer")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", broken)
+    with pytest.raises(KeyError, match="a bug in the tokenizer"):
+        render_chat(tokenizer, "Be brief.", "Who?")
+    with pytest.raises(KeyError, match="a bug in the tokenizer"):
+        map_prompt_ids(tokenizer, "A document.")

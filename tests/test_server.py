@@ -129,6 +129,8 @@ def test_bad_requests_each_get_the_right_4xx(store):
         ("no key", "POST", "/v1/chat/completions", {"json": ok_chat}, 401, "invalid_api_key"),
         ("wrong key", "POST", "/v1/pced/answer", {"json": {"question": "q"}, "headers": {"Authorization": "Bearer nope"}}, 401, "invalid_api_key"),
         ("no key on models", "GET", "/v1/models", {}, 401, "invalid_api_key"),
+        ("no key on health", "GET", "/health", {}, 401, "invalid_api_key"),
+        ("wrong key on health", "GET", "/health", {"headers": {"Authorization": "Bearer nope"}}, 401, "invalid_api_key"),
         ("malformed JSON", "POST", "/v1/chat/completions", {"content": b'{"messages": [', "headers": {**auth, "Content-Type": "application/json"}}, 400, "invalid_json"),
         ("not an object", "POST", "/v1/pced/answer", {"json": [1, 2], "headers": auth}, 400, "invalid_value"),
         ("empty body", "POST", "/v1/pced/answer", {"headers": auth}, 400, None),
@@ -165,7 +167,8 @@ def test_bad_requests_each_get_the_right_4xx(store):
         ("wrong verb", "GET", "/v1/chat/completions", {"headers": auth}, 405, "http_405"),
     ]
     with TestClient(app, raise_server_exceptions=False) as client:
-        assert client.get("/health").status_code == 200  # open without the key
+        assert client.get("/health").status_code == 401  # it tells the model, documents and queue: keyed
+        assert client.get("/").status_code == 200 and client.get("/static/app.js").status_code == 200  # the page's files
         for name, method, path, kwargs, status, code in cases:
             response = client.request(method, path, **kwargs)
             assert response.status_code == status, (name, response.status_code, response.text)
@@ -174,7 +177,7 @@ def test_bad_requests_each_get_the_right_4xx(store):
             assert code is None or error["code"] == code, (name, error)
             assert "Traceback" not in response.text
         assert client.post("/v1/pced/answer", json={"question": QUESTION, "max_tokens": 2}, headers=auth).status_code == 200
-        assert client.get("/health").json()["failed"] == 2  # colbert and the long document reached the worker
+        assert client.get("/health", headers=auth).json()["failed"] == 2  # colbert and the long document reached the worker
 
 
 def test_unexpected_failures_are_500_without_details_and_queue_limits_503(store, monkeypatch):
@@ -244,3 +247,56 @@ def test_the_page_asks_what_the_cli_asks(client):
         tag = page[page.index(field) - 40:page.index(field) + 80]
         assert "value=" not in tag and "max=" not in tag, tag
     assert "<option>" not in page and "|| 4" not in page and "|| 64" not in page
+@pytest.mark.parametrize("method", ["pced", "mapreduce"])
+def test_a_request_over_the_time_limit_ends_with_its_error_and_the_next_request_runs(store, monkeypatch, method):
+    import time
+
+    import pced.decoding
+
+    pick = pced.decoding.pick_token
+
+    def slow_pick(*args, **kwargs):  # a slow model: 0.1 s a token (mapreduce: its map calls too)
+        time.sleep(0.1)
+        return pick(*args, **kwargs)
+
+    app = create_app(store, Limits(request_timeout_s=0.5))
+    body = {"question": QUESTION, "top_k": 3, "max_tokens": 64, "method": method}
+    with TestClient(app) as client:
+        monkeypatch.setattr("pced.decoding.pick_token", slow_pick)
+        started = time.monotonic()
+        response = client.post("/v1/pced/answer", json=body)
+        elapsed = time.monotonic() - started
+        health = client.get("/health").json()
+        assert response.status_code == 504, response.text
+        error = response.json()["error"]
+        assert error["code"] == "timeout" and "time limit of 0.5 s" in error["message"], error
+        assert elapsed < 2.0 and health["timed_out"] == 1 and health["pending"] == 0
+        assert health["last_tokens"] < 64  # stopped, not run to the end
+        stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                            "max_tokens": 64, "stream": True, "pced": {"method": method}})
+        if method == "pced":  # it started (200), then stopped at the limit: an error event ends the stream
+            assert stream.status_code == 200 and sse_chunks(stream.text.splitlines())[-1]["error"]["code"] == "timeout"
+        else:  # the map calls ran into the limit before the first token: still a status code
+            assert stream.status_code == 504 and stream.json()["error"]["code"] == "timeout"
+        monkeypatch.setattr("pced.decoding.pick_token", pick)
+        after = client.post("/v1/pced/answer", json={**body, "method": "pced", "max_tokens": 2})
+        assert after.status_code == 200 and len(after.json()["trace"]) == 2
+        assert client.get("/health").json()["timed_out"] == 2
+
+
+@pytest.mark.parametrize("header, server, names, allowed", [
+    ("127.0.0.1:8000", ("127.0.0.1", 8000), (), True),
+    ("localhost:8000", ("127.0.0.1", 8000), (), True),
+    ("[::1]:8000", ("::1", 8000), (), True),
+    ("192.168.1.5:8000", ("192.168.1.5", 8000), (), True),  # bound to 0.0.0.0, reached on this address
+    ("evil.example:8000", ("127.0.0.1", 8000), (), False),
+    ("localhost:9000", ("127.0.0.1", 8000), (), False),
+    ("localhost", ("127.0.0.1", 8000), (), False),  # port 80 implied
+    ("", ("127.0.0.1", 8000), (), False),
+    ("pced.lan:8000", ("10.0.0.2", 8000), ("pced.lan",), True),
+    ("testserver", ("testserver", 80), (), True),
+])
+def test_host_allowed(header, server, names, allowed):
+    from pced.server.app import host_allowed
+
+    assert host_allowed(header, server, names) is allowed

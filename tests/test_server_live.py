@@ -133,7 +133,7 @@ def test_pced_serve_command(tmp_path, store, capsys):
         def healthy():
             assert server.poll() is None, (tmp_path / "serve.log").read_text()
             try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                return httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -182,3 +182,32 @@ def test_langchain_chat_openai_against_pced_serve(server, store):
                         json={"question": QUESTION, "top_k": 2, "max_tokens": 6}, timeout=60).json()
     assert direct["answer"] and reply.content == direct["answer"]
     assert "".join(chunk.content for chunk in chat.stream(QUESTION)) == direct["answer"]
+
+
+@pytest.mark.slow
+def test_without_a_key_only_host_headers_naming_the_server_are_answered(store):
+    """DNS rebinding: a page on another site whose name resolves to 127.0.0.1 sends its own Host."""
+    with live_server(create_app(store)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}"):
+            response = httpx.get(f"{url}/health", headers={"Host": host}, timeout=30)
+            assert response.status_code == 200, (host, response.text)
+        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}", "127.0.0.1", f"127.0.0.1.evil.example:{port}"):
+            for method, path in (("GET", "/health"), ("GET", "/"), ("POST", "/v1/pced/answer")):
+                response = httpx.request(method, f"{url}{path}", headers={"Host": host}, json={"question": QUESTION},
+                                         timeout=30)
+                assert response.status_code == 400, (host, path, response.text)
+                assert response.json()["error"]["code"] == "invalid_host"
+    with live_server(create_app(store, hosts=("pced.lan",))) as url:  # the name it was started with (--host)
+        port = int(url.rsplit(":", 1)[1])
+        assert httpx.get(f"{url}/health", headers={"Host": f"pced.lan:{port}"}, timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_with_a_key_every_route_that_tells_anything_needs_it_whatever_the_host(server):
+    url, _ = server
+    for path in ("/health", "/v1/models"):
+        assert httpx.get(f"{url}{path}", timeout=30).status_code == 401
+        assert httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}", "Host": "pced.example.com"},
+                         timeout=30).status_code == 200
+    assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the page itself: static, and where the key is typed

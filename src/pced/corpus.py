@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .documents import Document
+from .errors import UserError
 
 log = logging.getLogger("pced.corpus")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus file pced refuses to index (reported as one line)."""
 
 
@@ -38,9 +39,10 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, str, object]]:
             if not line.strip():
                 continue
             try:
-                yield number, where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{where}: invalid JSON ({exc.msg})") from None
+                record = json.loads(line)
+            except ValueError as exc:  # not JSON, or an integer past Python's digit limit
+                raise CorpusError(f"{where}: invalid JSON ({getattr(exc, 'msg', exc)})") from None
+            yield number, where, record
 
 
 def read_corpus(path: str | Path) -> list[Document]:

@@ -21,13 +21,34 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 
 from .answers import Answer, Step
+from .errors import DataError, PcedError
 from .sampling import SamplingConfig
 from .detokenize import TextTracker
 from .rule import AMATEUR, ContrastiveRule, RuleConfig
 
 
-class DecodingError(RuntimeError):
+class DecodingError(DataError):
     """The model produced something the rule cannot use (non-finite logits: a damaged cache)."""
+
+    code = "damaged_cache"
+
+
+class TimeLimitError(PcedError):
+    """An answer stopped at its deadline (the server's time limit for one request)."""
+
+    code = "timeout"
+
+
+class Deadline:
+    """A point on the monotonic clock after which a generation stops between two tokens."""
+
+    def __init__(self, seconds: float, start: float | None = None):
+        self.seconds = seconds
+        self.at = (time.monotonic() if start is None else start) + seconds
+
+    def check(self) -> None:
+        if time.monotonic() > self.at:
+            raise TimeLimitError(f"stopped after the time limit of {self.seconds:g} s for one request")
 
 
 def check_finite(logits: torch.Tensor, scoring: "Scoring") -> None:
@@ -152,6 +173,7 @@ class Generation:
         self.trace: list[Step] = []
         self.timings = rows.timings  # one dict: the rows' cache_load_s / suffix_forward_s, then ttft_s, total_s
         self.last_logits: torch.Tensor | None = None  # [R, V] of the latest step, for tests and tools
+        self.deadline: Deadline | None = None  # checked before the prefill and between tokens
 
     @property
     def stats(self) -> dict:
@@ -168,6 +190,7 @@ class Generation:
     def _steps(self) -> Iterator[Step]:
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
+        self.check_deadline()
         logits = self.rows.prefill()
         for index in range(self.sampling.max_new_tokens):
             check_finite(logits, self.scoring)
@@ -188,6 +211,7 @@ class Generation:
             yield step
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
                 break
+            self.check_deadline()
             self.between_tokens()
             logits = self.rows.advance(token)
         rest = self.tracker.flush()
@@ -195,6 +219,10 @@ class Generation:
             self.trace[-1].text += rest
         self.timings["total_s"] = time.perf_counter() - started
         self.timings.setdefault("ttft_s", self.timings["total_s"])
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.check()
 
     def between_tokens(self) -> None:
         """After a token is chosen and streamed, before the rows take it: a method may change its

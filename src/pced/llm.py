@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .options import EMBEDDED_NAME, is_embedded
+from .errors import UserError
 from .fingerprint import files_fingerprint
 from .fs import staging_dir, swap_directory
 
@@ -25,7 +26,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError):
     """A model path that cannot be loaded as a causal LM (missing, wrong kind, broken)."""
 
 

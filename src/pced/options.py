@@ -14,13 +14,13 @@ with ``paper_defaults``.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from .errors import UserError
 from .rule import Beta, RuleConfig
-from .sampling import SamplingConfig
+from .sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
 
 EMBEDDED = "embedded"  # the --model setting (and store setting) of the embedded default model
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -95,7 +95,7 @@ def family_defaults(setting: str) -> str:
     return f"{', '.join(overrides)}{embedded}; the paper's {paper} otherwise"
 
 
-class QuestionError(ValueError):
+class QuestionError(UserError):
     """A question that cannot be asked; ``code`` names the reason (for the server's error body)."""
 
     def __init__(self, message: str, code: str):
@@ -124,7 +124,7 @@ def check_question(question: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
 
 def check_method(method: str) -> str:
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return method
 
 
@@ -147,9 +147,9 @@ class VLLMSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
-            raise ValueError("max_num_seqs and tensor_parallel_size must be at least 1")
+            raise UserError("max_num_seqs and tensor_parallel_size must be at least 1")
 
         if self.kv_transfer_config is not None:
             self.kv_transfer()  # a missing or malformed file is refused before any engine starts
@@ -159,9 +159,9 @@ class VLLMSettings:
         try:
             value = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
+            raise UserError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
         if not isinstance(value, dict) or "kv_connector" not in value:
-            raise ValueError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
+            raise UserError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
                              "(vLLM's KVTransferConfig, e.g. LMCacheConnectorV1)")
         return value
 
@@ -201,32 +201,38 @@ class AskOptions:
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        for name in ("top_k", "top_n", "max_joins", "max_experts"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                raise UserError(f"{name} must be an integer, got {value!r}")
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
+            raise UserError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise UserError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if not 0 <= self.max_joins <= MAX_TOP_K:
-            raise ValueError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
+            raise UserError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
         if self.backend == "vllm" and (self.rescore or self.max_joins):
-            raise ValueError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
+            raise UserError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
         if self.backend == "vllm" and self.method != "pced":
-            raise ValueError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
+            raise UserError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.sampling.temperature > 0:
-            raise ValueError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
+            raise UserError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
         if self.backend == "vllm" and self.sampling.no_repeat_ngram:
-            raise ValueError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
+            raise UserError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
         if not 1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
+            raise UserError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
         if not 1 <= self.top_n <= MAX_TOP_N:
-            raise ValueError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
+            raise UserError(f"top_n must be between 1 and {MAX_TOP_N}, got {self.top_n}")
         if self.max_experts is not None and not 1 <= self.max_experts <= MAX_TOP_K:
-            raise ValueError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
-        if self.prune_margin is not None and not (math.isfinite(self.prune_margin) and self.prune_margin >= 0):
-            raise ValueError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
-        if self.ape_temperature <= 0 or self.ape_scale <= 0:
-            raise ValueError(f"APE needs temperature > 0 and scale > 0, got T={self.ape_temperature}, S={self.ape_scale}")
-        if self.summary_tokens < 1:
-            raise ValueError(f"summary_tokens must be >= 1, got {self.summary_tokens}")
+            raise UserError(f"max_experts must be between 1 and {MAX_TOP_K}, got {self.max_experts}")
+        if self.prune_margin is not None and not (is_number(self.prune_margin) and self.prune_margin >= 0):
+            raise UserError(f"prune_margin must be a finite number >= 0, got {self.prune_margin}")
+        if not (is_number(self.ape_temperature) and is_number(self.ape_scale)
+                and 0 < self.ape_temperature <= TEMPERATURE[1] and 0 < self.ape_scale <= TEMPERATURE[1]):
+            raise UserError(f"APE needs temperature and scale in (0, {TEMPERATURE[1]:g}], "
+                            f"got T={self.ape_temperature!r}, S={self.ape_scale!r}")
+        if not is_int(self.summary_tokens) or not 1 <= self.summary_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"summary_tokens must be between 1 and {MAX_NEW_TOKENS}, got {self.summary_tokens!r}")
         self.rule(None)  # a bad beta / gamma / aggregation / score space / prior fails here, before any model loads
 
     def rule(self, model: object = None) -> RuleConfig:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 from .answers import Answer, Step, answer_json
 from .decoding import Generation
 from .documents import Candidate
+from .errors import UserError
 from .methods import start
 from .options import AskOptions, check_question
 
@@ -64,6 +65,10 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
     relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
     (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
+    window = generator.llm.max_context
+    if window and options.sampling.max_new_tokens >= window:  # before any cache is loaded or buffer allocated
+        raise UserError(f"max_new_tokens {options.sampling.max_new_tokens} does not fit the model's {window}-token "
+                        "window with a prompt")
     rule = options.rule(generator.llm)
     candidates = list(candidates)
     if options.method == "pced":
@@ -94,7 +99,7 @@ def follow_for(retrieve, generator, question: str, options: AskOptions):
     if options.method != "pced" or not (options.rescore or options.max_joins):
         return None
     if retrieve is None:
-        raise ValueError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
+        raise UserError("decode-time relevance (rescore, max_joins) retrieves again: ask a store, not given documents")
     from .methods.follow import Follow
 
     return Follow(question, retrieve, generator.load, options.top_k, options.rescore, options.max_joins)

@@ -26,6 +26,8 @@ import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
+from .errors import UserError
+
 CONTEXT_SEPARATOR = "\n\n"
 _DOC_SENTINEL = "\u2063PCED-CONTEXT\u2063"
 _QUESTION_SENTINEL = "\u2063PCED-QUESTION\u2063"
@@ -80,8 +82,22 @@ ICL_TEMPLATE = Template(
 TEMPLATES = {"rag": RAG_TEMPLATE, "icl": ICL_TEMPLATE}
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """A chat template pced cannot split into prefix / context / suffix."""
+
+
+def render_chat(tokenizer: object, system: str, user: str) -> str:
+    """One system and one user turn through the chat template, up to the generation prompt. Some
+    templates (Gemma, ...) refuse a system role with the template's own error (``raise_exception``):
+    then the system text is folded into the user turn. Any other failure is not caught here."""
+    from jinja2 import TemplateError
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError:
+        merged = [{"role": "user", "content": system + "\n\n" + user}]
+        return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
 
 
 class PromptBuilder:
@@ -95,16 +111,7 @@ class PromptBuilder:
         self.separator_leads_suffix = self._probe_separator()
 
     def _render(self, user_content: str) -> str:
-        messages = [
-            {"role": "system", "content": self.template.system_prompt},
-            {"role": "user", "content": user_content},
-        ]
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception:
-            # Some chat templates (Gemma, ...) reject a system role: fold it into the user turn.
-            merged = [{"role": "user", "content": self.template.system_prompt + "\n\n" + user_content}]
-            return self.tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, self.template.system_prompt, user_content)
 
     def _split_chat_template(self) -> tuple[str, str]:
         if not getattr(self.tokenizer, "chat_template", None):

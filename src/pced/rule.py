@@ -50,6 +50,8 @@ from typing import Union
 
 import torch
 
+from .errors import UserError
+
 R_MIN, R_MAX = 1e-8, 1.0 - 1e-8
 AMATEUR = -1
 AGGREGATIONS = ("max", "moe", "poe")
@@ -59,6 +61,11 @@ PRIORS = ("log", "standardized")
 # Standardized prior: the smallest spread of log r divided by. Differences below a thousandth of a
 # nat are rounding, not evidence; the narrowest retriever we measured (BM25) spreads ~0.08 nats.
 SPREAD_FLOOR = 1e-3
+# Ranges of the rule's numbers. The dynamic beta is a JSD (at most ln 2) and the authors' element-wise
+# one is clamped to [0, 1]: a fixed beta of 10 is already far past either; a gamma of 1000 lets the
+# prior alone decide (the paper's is 2.5, SmolLM2's 32). Beyond them the scores overflow float32.
+MAX_BETA = 10.0
+MAX_GAMMA = 1000.0
 
 Beta = Union[str, float]
 
@@ -75,17 +82,18 @@ class RuleConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, str) and self.beta not in BETA_MODES:
-            raise ValueError(f"beta must be a number or one of {', '.join(BETA_MODES)}, got {self.beta!r}")
-        if not isinstance(self.beta, str) and not math.isfinite(float(self.beta)):
-            raise ValueError(f"beta must be finite, got {self.beta!r}")
+            raise UserError(f"beta must be a number or one of {', '.join(BETA_MODES)}, got {self.beta!r}")
+        if not isinstance(self.beta, str) and (isinstance(self.beta, bool) or not isinstance(self.beta, (int, float))
+                                               or not 0 <= self.beta <= MAX_BETA):
+            raise UserError(f"beta must be {' or '.join(BETA_MODES)} or a number between 0 and {MAX_BETA:g}, got {self.beta!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+            raise UserError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.score_space not in SCORE_SPACES:
-            raise ValueError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
+            raise UserError(f"score_space must be one of {', '.join(SCORE_SPACES)}, got {self.score_space!r}")
         if self.prior not in PRIORS:
-            raise ValueError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
-        if not math.isfinite(self.gamma) or self.gamma < 0:
-            raise ValueError(f"gamma must be a finite number >= 0, got {self.gamma!r}")
+            raise UserError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0 <= self.gamma <= MAX_GAMMA:
+            raise UserError(f"gamma must be a number between 0 and {MAX_GAMMA:g}, got {self.gamma!r}")
 
 
 def js_divergence(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
@@ -225,7 +233,7 @@ class ContrastiveRule:
     def set_relevance(self, relevance: torch.Tensor) -> None:
         """Decode-time relevance: new r_k for the experts, from the next step on."""
         if relevance.shape != self.relevance.shape:
-            raise ValueError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
+            raise UserError(f"{relevance.shape[0]} relevances for {self.relevance.shape[0]} experts")
         self.relevance = relevance.float()
         self._prior = None
 

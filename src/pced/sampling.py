@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .errors import UserError
+
+# Ranges of the sampling settings. A temperature near 0 divides the scores into infinities, and
+# below 0.01 it is greedy decoding in all but name (use 0); top_p below 0.01 keeps the best token alone.
+MAX_NEW_TOKENS = 131_072  # no answer is longer; the model's window is checked when the model is known
+TEMPERATURE = (0.01, 10.0)
+MIN_TOP_P = 0.01
 
 
 @dataclass(frozen=True)
@@ -22,9 +31,28 @@ class SamplingConfig:
     no_repeat_ngram: int = 0  # n > 0: never complete an n-gram the answer already holds (0 = off)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if isinstance(self.no_repeat_ngram, bool) or not isinstance(self.no_repeat_ngram, int) or self.no_repeat_ngram < 0:
-            raise ValueError(f"no_repeat_ngram must be an integer >= 0 (0 = off), got {self.no_repeat_ngram!r}")
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"max_new_tokens must be an integer between 1 and {MAX_NEW_TOKENS} (and fit the model's "
+                            f"window), got {self.max_new_tokens!r}")
+        if not is_number(self.temperature) or not (self.temperature == 0 or TEMPERATURE[0] <= self.temperature <= TEMPERATURE[1]):
+            raise UserError(f"temperature must be 0 (greedy) or between {TEMPERATURE[0]:g} and {TEMPERATURE[1]:g}, "
+                            f"got {self.temperature!r}")
+        if not is_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise UserError(f"top_p must be between {MIN_TOP_P:g} and 1, got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise UserError(f"top_k (sampling) must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise UserError(f"seed must be an integer between 0 and 2**63 - 1, got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise UserError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not is_int(self.no_repeat_ngram) or not 0 <= self.no_repeat_ngram <= MAX_NEW_TOKENS:
+            raise UserError(f"no_repeat_ngram must be an integer >= 0 (0 = off), got {self.no_repeat_ngram!r}")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A real, finite number (bools and NaN are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import UserError
 from ..kv.buffer import BufferCache, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
@@ -74,6 +75,7 @@ class ExpertRows(CachedRows):
         lengths = [0] + [kv.n_tokens for kv in caches]
         longest, batch = max(lengths), len(lengths)
         suffix_len = max(len(self.suffix_ids), len(self.amateur_suffix_ids))
+        check_window(self.llm, "pced", "longest expert's prompt", prefix_len + longest + suffix_len, self.max_new_tokens)
         capacity = prefix_len + longest + suffix_len + self.max_new_tokens
         # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
         cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)
@@ -200,7 +202,7 @@ def check_window(llm: LoadedModel, method: str, what: str, prompt_tokens: int, m
     """Refuse a prompt that cannot fit the model's window with the requested new tokens."""
     max_context = llm.max_context
     if max_context and prompt_tokens + max_new_tokens > max_context:
-        raise ValueError(
+        raise UserError(
             f"{method}: the {what} has {prompt_tokens} tokens; with {max_new_tokens} new tokens it exceeds "
             f"the model's {max_context}-token window"
         )

@@ -64,6 +64,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def auth_headers(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 def start_server(args, backend: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "pced.cli", "serve", str(args.store), "--port", str(port), "--log-level", "warning",
@@ -81,7 +85,7 @@ def start_server(args, backend: str) -> tuple[subprocess.Popen, str]:
         if process.poll() is not None:
             raise SystemExit(f"load_test: the server exited with {process.returncode}; see {log.name}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", headers=auth_headers(args), timeout=2).status_code == 200:
                 return process, url
         except httpx.HTTPError:
             pass
@@ -147,7 +151,7 @@ async def client(index: int, http: httpx.AsyncClient, questions: list[str], args
 
 
 async def run_load(url: str, args) -> tuple[list[dict], float]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
     questions = load_questions()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as http:
@@ -252,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             url = args.url.rstrip("/")
         try:
-            health = httpx.get(f"{url}/health", timeout=10).json()
+            health = httpx.get(f"{url}/health", headers=auth_headers(args), timeout=10).json()
             print(f"load_test: {args.clients} clients x {args.questions} questions against {url} "
                   f"({health.get('model')}, backend {backend}) ...", flush=True)
             records, wall = asyncio.run(run_load(url, args))
-            health = httpx.get(f"{url}/health", timeout=10).json()  # the engine's counters after the load
+            health = httpx.get(f"{url}/health", headers=auth_headers(args), timeout=10).json()  # the engine's counters after the load
         finally:
             if process is not None:
                 process.terminate()

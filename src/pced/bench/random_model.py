@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+
 SHAPES = {  # LlamaConfig fields of each architecture (vocabulary excepted)
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
@@ -41,11 +43,11 @@ def shape_of(spec: str) -> tuple[str, dict]:
         try:
             fields = json.loads(path.read_text())
         except ValueError as exc:
-            raise ValueError(f"--random-model {path}: not valid JSON ({exc})") from None
+            raise UserError(f"--random-model {path}: not valid JSON ({exc})") from None
         if not isinstance(fields, dict):
-            raise ValueError(f"--random-model {path}: expected a JSON object of LlamaConfig fields")
+            raise UserError(f"--random-model {path}: expected a JSON object of LlamaConfig fields")
         return path.stem, fields
-    raise ValueError(f"--random-model: {spec!r} is neither a known shape ({', '.join(SHAPES)}) nor a .json file")
+    raise UserError(f"--random-model: {spec!r} is neither a known shape ({', '.join(SHAPES)}) nor a .json file")
 
 
 @torch.no_grad()
@@ -65,7 +67,7 @@ def random_model(spec: str, device: str | torch.device | None = None, dtype: str
         config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id, **fields)
     except TypeError as exc:
-        raise ValueError(f"--random-model {spec}: {exc}") from None
+        raise UserError(f"--random-model {spec}: {exc}") from None
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

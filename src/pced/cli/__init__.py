@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from .bench import add_bench_parser
 from .chat import add_chat_parser
@@ -64,13 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..corpus import CorpusError
-    from ..decoding import DecodingError
-    from ..kv.format import CacheError
-    from ..llm import ModelLoadError
-    from ..prompts import PromptError
-    from ..store import StoreError
+    from ..errors import DataError, PcedError, UserError
 
+    from .terminal import printable
     from .threads import configure_threads
 
     parser = build_parser()
@@ -79,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_threads(args.threads)
         return args.func(args)
-    except (InputError, ModelLoadError, CacheError, DecodingError, PromptError, CorpusError, StoreError,
-            ValueError) as exc:
-        print(f"pced: error: {exc}", file=sys.stderr)
+    except (UserError, DataError) as exc:  # bad input, or stored data that is damaged: one line
+        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # pced store list STORE | head: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 0
+    except PcedError as exc:  # an engine that stopped: its own line, not the user's fault
+        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
+        return 1
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""
         print(f"pced: error: {exc.strerror or exc}{where}", file=sys.stderr)
@@ -93,5 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pced: interrupted", file=sys.stderr)
         return 130
-
-
+    except Exception:  # a bug: never reported as the user's fault
+        traceback.print_exc(file=sys.stderr)
+        print("pced: internal error, please report it with the traceback above", file=sys.stderr)
+        return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench.config import BenchConfig
+from ..errors import UserError
 from ..options import STORAGE_DTYPES
 from .common import add_backend_options
 
@@ -82,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             llm = random_model(args.random_model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                seed=config.seed)
-        except ValueError as exc:
+        except UserError as exc:
             raise InputError(str(exc)) from None
         config = replace(config, memory=False)  # the memory runs load the embedded model in a fresh process
     else:
@@ -91,7 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.backend == "vllm":
         try:
             settings = vllm_settings_from(args)
-        except ValueError as exc:
+        except UserError as exc:
             raise InputError(str(exc)) from None
         from ..backends.vllm.engine import shared_engine
         from ..bench.vllm import run_vllm_bench

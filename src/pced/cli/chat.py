@@ -13,7 +13,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..options import MAX_QUESTION_CHARS, METHODS, RETRIEVERS, AskOptions, QuestionError, check_question
+from ..errors import DataError, UserError
+from ..options import MAX_QUESTION_CHARS, METHODS, RETRIEVERS, AskOptions, check_question
 from .common import InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options, \
     ask_options_from, open_store
 
@@ -114,7 +115,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             check_question(question)
             asked = ask(store, question, options)
             answer = stream_answer(asked.generation, asked.candidates, question, console)
-        except (QuestionError, ValueError, RuntimeError) as exc:
+        except (UserError, DataError) as exc:
             print(f"pced: error: {exc}", file=sys.stderr)
             continue
         except KeyboardInterrupt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..kv.tiers import CacheTiers
 from ..options import BACKENDS, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, VLLMSettings, family_defaults
@@ -15,7 +16,7 @@ TIERS = CacheTiers()
 VLLM = VLLMSettings()
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """Bad user input: reported as one line on stderr, exit code 2."""
 
 
@@ -42,7 +43,7 @@ def tiers_from(args: argparse.Namespace) -> CacheTiers:
     """The cache tiers of --gpu-cache-gb, checked (the defaults where a subcommand has no such option)."""
     try:
         return CacheTiers(gpu_cache_gb=getattr(args, "gpu_cache_gb", TIERS.gpu_cache_gb))
-    except ValueError as exc:
+    except UserError as exc:
         raise InputError(f"--gpu-cache-gb: {exc}") from None
 
 
@@ -133,7 +134,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
                                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram)
         return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args))
-    except ValueError as exc:
+    except UserError as exc:
         raise InputError(str(exc)) from None
 
 

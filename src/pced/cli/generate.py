@@ -42,8 +42,8 @@ def read_scored_documents(path: Path):
             raise InputError(f"{path}:{number}: duplicate id {doc_id!r}")
         seen.add(doc_id)
         score = record.get("score", 1.0)
-        if not isinstance(score, (int, float)) or not 0.0 <= float(score) <= 1.0:
-            raise InputError(f"{path}:{number}: 'score' must be a number in [0, 1], got {score!r}")
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 1:  # no float(): 10**400
+            raise InputError(f"{path}:{number}: 'score' must be a number in [0, 1], got {score!r:.40}")
         document = Document(id=doc_id, text=record["text"], title=str(record.get("title") or ""))
         candidates.append(Candidate(document, float(score), {"given": float(score)}))
     return candidates

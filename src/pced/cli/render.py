@@ -1,4 +1,8 @@
-"""Human-readable answers: every token coloured by the document that won it, plus a legend."""
+"""Human-readable answers: every token coloured by the document that won it, plus a legend.
+
+User text (questions, ids, titles, and the tokens, which may copy a document) is printed
+literally: never read as rich markup, and with control characters (terminal escape sequences,
+bidirectional overrides) shown as escapes rather than sent to the terminal."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from rich.text import Text
 
 from ..answers import Answer
 from ..citations import Citation, cite_answer, sources
+from .terminal import printable
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
 AMATEUR_STYLE = "dim"
@@ -27,9 +32,9 @@ def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
         wins[step.doc_id] = wins.get(step.doc_id, 0) + 1
     text = Text()
     for c in candidates:
-        label = c.document.title or c.document.text[:50]
+        label = printable(c.document.title or c.document.text[:50], newlines=False)
         text.append("  ■ ", style=styles[c.document.id])
-        text.append(f"{c.document.id}  r={c.relevance:.3f}  tokens won: {wins.get(c.document.id, 0):>3}")
+        text.append(f"{printable(c.document.id, newlines=False)}  r={c.relevance:.3f}  tokens won: {wins.get(c.document.id, 0):>3}")
         text.append(f"  {label}\n" if titles else "\n", style="dim")
     if wins.get(None):
         text.append("  ■ ", style=AMATEUR_STYLE)
@@ -45,14 +50,15 @@ def cited_answer(answer: Answer, citations: Sequence[Citation], candidates: Sequ
     styles = doc_styles([c.document.id for c in candidates])
     text, position = Text(), 0
     for citation in citations:
-        text.append(answer.text[position:citation.end])
+        text.append(printable(answer.text[position:citation.end]))
         for doc_id in citation.doc_ids:
             text.append(f"[{numbers[doc_id]}]", style=styles.get(doc_id, "bold"))
         position = citation.end
-    text.append(answer.text[position:] + "\nSources:\n")
+    text.append(printable(answer.text[position:]) + "\nSources:\n")
     for doc_id, number in numbers.items():
         text.append(f"  [{number}] ", style=styles.get(doc_id, "bold"))
-        text.append(doc_id + (f"  {titles[doc_id]}" if titles.get(doc_id) else "") + "\n")
+        title = f"  {printable(titles[doc_id], newlines=False)}" if titles.get(doc_id) else ""
+        text.append(printable(doc_id, newlines=False) + title + "\n")
     return text
 
 
@@ -60,10 +66,10 @@ def stream_answer(generation, candidates: Sequence, question: str, console: Cons
     """Print the question, then each token as it is chosen, coloured by its document; then the legend."""
     console = console or Console(highlight=False)
     styles = doc_styles([c.document.id for c in candidates])
-    console.print(Text.assemble(("Q: ", "bold"), question))
+    console.print(Text.assemble(("Q: ", "bold"), printable(question)))
     console.print(Text("A: ", style="bold"), end="")
     for step in generation:
-        console.print(Text(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
+        console.print(Text(printable(step.text), style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
     console.print()
     answer = generation.answer()
     if answer.amateur_only:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 
+from ..errors import UserError
 from .common import InputError, add_backend_options, add_model_options, open_store, vllm_settings_from
 
 
@@ -16,7 +18,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PCED_API_KEY if set, else open)")
+                   help="require 'Authorization: Bearer KEY' on every route but the page's own files (default: "
+                        "$PCED_API_KEY if set; without a key only requests naming this server's address are answered)")
     add_model_options(p)
     add_backend_options(p)
     from ..server.schemas import Limits
@@ -34,6 +37,9 @@ def add_serve_parser(sub) -> None:
                         help=f"--backend vllm: questions decoding at once (default {defaults.max_concurrent})")
     limits.add_argument("--max-documents", type=int, default=defaults.max_documents,
                         help=f"documents a request may carry (default {defaults.max_documents})")
+    limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
+                        help="stop a request that has run this long (retrieval and generation, not its time in the "
+                             f"queue) with a 504 (default {defaults.request_timeout_s:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -61,17 +67,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise InputError(f"pced serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn") from None
 
+    if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
+        raise InputError(f"--request-timeout must be a finite number of seconds > 0, got {args.request_timeout}")
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
                     max_documents=args.max_documents, max_concurrent=args.max_concurrent,
-                    default_max_tokens=min(Limits.default_max_tokens, args.max_tokens))
+                    default_max_tokens=min(Limits.default_max_tokens, args.max_tokens),
+                    request_timeout_s=args.request_timeout)
     try:
         vllm = vllm_settings_from(args)
-    except ValueError as exc:
+    except UserError as exc:
         raise InputError(str(exc)) from None
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
-    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm)
+    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm, hosts=(args.host,))
     report = app.state.worker.warm_up()
     if args.backend == "vllm":
         print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "

@@ -78,18 +78,23 @@ def add_verify_arguments(p) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..kv.format import verify_cache_dir
+    from ..retrieval.storage import verify_index_files
     from ..store import DocumentStore
+    from ..store.layout import RETRIEVERS_DIR
+    from .terminal import printable
 
-    store = DocumentStore.open(args.store)  # also checks documents.jsonl against the retriever indexes
+    store = DocumentStore.open(args.store)  # the manifest's schema, documents.jsonl against the retriever indexes
+    index_damage = verify_index_files(store.root / RETRIEVERS_DIR)
     report = verify_cache_dir(store.root / "kv", remove=args.remove)
-    for line in report["damaged"]:
-        print(f"pced: damaged: {line}", file=sys.stderr)
+    for line in index_damage + report["damaged"]:
+        print(f"pced: damaged: {printable(line, newlines=False)}", file=sys.stderr)
     old = f"; {report['without_checksum']} written before checksums (checked for shape and finiteness only)" \
         if report["without_checksum"] else ""
     removed = f"; {report['removed']} removed" if report["removed"] else ""
+    indexes = f"; {len(index_damage)} retrieval index files damaged (re-run pced index)" if index_damage else ""
     print(f"pced: {store.root}: {len(store.documents)} documents, {report['checked']} cache files checked, "
-          f"{len(report['damaged'])} damaged{removed}{old}")
-    return 1 if report["damaged"] and not args.remove else 0
+          f"{len(report['damaged'])} damaged{removed}{old}{indexes}")
+    return 1 if index_damage or (report["damaged"] and not args.remove) else 0
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -147,6 +152,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from .. import __version__
     from ..corpus import read_corpus
@@ -166,7 +172,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except StoreError:
             store = None
     if store is None:
-        console.print(f"[bold]Building the demo store[/bold] (once) in {root} ...")
+        console.print(f"[bold]Building the demo store[/bold] (once) in {escape(str(root))} ...")
         with resources.as_file(data / DEMO_CORPUS) as corpus_path:
             store, report = index_store(read_corpus(corpus_path), root, IndexSettings())
         console.print(f"  {report['documents']} documents indexed, KV caches in {report['kv_s']:.1f} s")
@@ -179,5 +185,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         found = item["answer"].lower() in answer.text.lower()
         console.print(f"expected: {item['answer']}  {'[green]found in the answer[/green]' if found else '[red]not in the answer[/red]'}")
         png = save_trace_png(answer, asked.candidates, traces / f"question{number}.png", title=item["question"])
-        console.print(f"[dim]trace picture: {png}[/dim]")
+        console.print(f"[dim]trace picture: {escape(str(png))}[/dim]")
     return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from .terminal import printable
 from .common import InputError
 
 
@@ -62,11 +62,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, ensure_ascii=False))
         return 0
-    width = max([len("id")] + [len(r["id"]) for r in rows])
+    ids = {r["id"]: printable(r["id"], newlines=False) for r in rows}
+    width = max([len("id")] + [len(shown) for shown in ids.values()])
     print(f"{'id':<{width}}  chunks  tokens  cache       title")
     for r in rows:
         cache = human_bytes(r["cache_bytes"]) if r["encoded"] else "-"
-        print(f"{r['id']:<{width}}  {r['chunks']:>6}  {r['tokens']:>6}  {cache:<10}  {r['title']}")
+        print(f"{ids[r['id']]:<{width}}  {r['chunks']:>6}  {r['tokens']:>6}  {cache:<10}  {printable(r['title'] or '', newlines=False)}")
     return 0
 
 
@@ -78,12 +79,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, ensure_ascii=False))
         return 0
-    print(f"id: {info['id']}\ntitle: {info['title']}\nchunks: {info['chunks']}, tokens: {info['tokens']}, "
+    print(f"id: {printable(info['id'], newlines=False)}\ntitle: {printable(info['title'] or '', newlines=False)}\nchunks: {info['chunks']}, tokens: {info['tokens']}, "
           f"caches encoded: {info['encoded']}/{info['chunks']} ({human_bytes(info['cache_bytes'])})")
     for part in info["parts"]:
-        print(f"\n[{part['id']}] {part['tokens']} tokens; cache {part['cache']}"
+        print(f"\n[{printable(part['id'], newlines=False)}] {part['tokens']} tokens; cache {part['cache']}"
               + (f", {human_bytes(part['cache_bytes'])}" if part["cache_bytes"] else "") + f"; {part['cache_file']}")
-        print(part["text"])
+        print(printable(part["text"]))
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from ..errors import UserError
+
 
 def available_cores() -> int:
     """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
@@ -34,6 +36,6 @@ def configure_threads(threads: int | None) -> int:
 
     threads = default_threads() if threads is None else threads
     if threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
+        raise UserError(f"--threads must be at least 1, got {threads}")
     torch.set_num_threads(threads)
     return threads

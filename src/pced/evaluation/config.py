@@ -7,13 +7,14 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Sequence
 
+from pced.errors import UserError
 from pced.sampling import SamplingConfig
 from pced.kv.tiers import CacheTiers
 from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 from pced.store.layout import IndexSettings
 
-class EvalError(ValueError):
+class EvalError(UserError):
     """Bad evaluation settings or an output folder of another run; one line for the CLI."""
 
 

@@ -26,6 +26,7 @@ from pced.evaluation.records import (
     DatasetError,
     Example,
     example_rng,
+    expected_shape,
     format_exemplar,
     read_json,
     read_jsonl,
@@ -213,11 +214,21 @@ def _take(rows: list[Any], limit: int | None) -> list[Any]:
 def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None = None) -> Dataset:
     """HotpotQA (distractor split format). A paragraph's text is its sentences joined as
     given (they carry their own leading spaces); its id is its title."""
-    rows = read_json(_data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_100.json"))
+    path = _data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_100.json")
+    rows = read_json(path)
     corpus = None
     if setting == "corpus":
-        table = read_json(_data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_corpus.json"))
-        corpus = [Document(id=t, text="".join(s).strip(), title=t) for t, s in table.items()]
+        corpus_path = _data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_corpus.json")
+        with expected_shape(corpus_path, "HotpotQA corpus"):
+            table = read_json(corpus_path)
+            corpus = [Document(id=t, text="".join(s).strip(), title=t) for t, s in table.items()]
+    with expected_shape(path, "HotpotQA"):
+        examples = _hotpotqa_examples(rows, setting, limit)
+    return Dataset(name="hotpotqa", task="rag", metric="subspan_em", examples=examples,
+                   corpus=corpus, setting=setting)
+
+
+def _hotpotqa_examples(rows: list, setting: str, limit: int | None) -> list[Example]:
     examples = []
     for row in _take(rows, limit):
         gold = list(dict.fromkeys(title for title, _ in row["supporting_facts"]))
@@ -231,8 +242,7 @@ def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None 
             metadata={"type": row.get("type"), "level": row.get("level"),
                       "supporting_facts": row["supporting_facts"]},
         ))
-    return Dataset(name="hotpotqa", task="rag", metric="subspan_em", examples=examples,
-                   corpus=corpus, setting=setting)
+    return examples
 
 
 # --------------------------------------------------------------------------- MuSiQue
@@ -241,12 +251,21 @@ def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None 
 def load_musique(root: Path, *, setting: str = "distractor", limit: int | None = None) -> Dataset:
     """MuSiQue-Ans. Titles repeat in its corpus (85 titles name 2-6 different paragraphs), so
     ids are :func:`content_doc_id` values, identical in both settings."""
-    rows = read_json(_data_file(root, "musique", "musique", "musique_train_100.json"))
+    path = _data_file(root, "musique", "musique", "musique_train_100.json")
+    rows = read_json(path)
     corpus = None
     if setting == "corpus":
-        table = read_json(_data_file(root, "musique", "musique", "musique_train_corpus.json"))
-        corpus = [Document(id=content_doc_id(p["title"], p["text"]), text=p["text"],
-                           title=p["title"]) for p in table]
+        corpus_path = _data_file(root, "musique", "musique", "musique_train_corpus.json")
+        with expected_shape(corpus_path, "MuSiQue corpus"):
+            corpus = [Document(id=content_doc_id(p["title"], p["text"]), text=p["text"],
+                               title=p["title"]) for p in read_json(corpus_path)]
+    with expected_shape(path, "MuSiQue"):
+        examples = _musique_examples(rows, setting, limit)
+    return Dataset(name="musique", task="rag", metric="subspan_em", examples=examples,
+                   corpus=corpus, setting=setting)
+
+
+def _musique_examples(rows: list, setting: str, limit: int | None) -> list[Example]:
     examples = []
     for row in _take(rows, limit):
         paragraphs = [Document(id=content_doc_id(p["title"], p["paragraph_text"]),
@@ -263,8 +282,7 @@ def load_musique(root: Path, *, setting: str = "distractor", limit: int | None =
                       "answerable": row.get("answerable", True),
                       "question_decomposition": row.get("question_decomposition", [])},
         ))
-    return Dataset(name="musique", task="rag", metric="subspan_em", examples=examples,
-                   corpus=corpus, setting=setting)
+    return examples
 
 
 # --------------------------------------------------------------------------- NQ
@@ -275,7 +293,13 @@ def load_nq(root: Path, *, setting: str = "corpus", limit: int | None = None) ->
     passage, so for each question the others' passages are the distractors (LOFT-like).
     Identical (title, text) passages are stored once (2,655 questions -> 2,600 passages).
     The "distractor" setting gives each question just its own gold passage (an oracle)."""
-    rows = read_jsonl(_data_file(root, "nq", "nq", "nq-open-oracle.jsonl.gz"))
+    path = _data_file(root, "nq", "nq", "nq-open-oracle.jsonl.gz")
+    rows = read_jsonl(path)
+    with expected_shape(path, "Natural Questions"):
+        return _nq_dataset(rows, setting, limit)
+
+
+def _nq_dataset(rows: list, setting: str, limit: int | None) -> Dataset:
     passages: dict[str, Document] = {}
     gold_ids: list[str] = []
     for row in rows:
@@ -303,24 +327,26 @@ def load_bbh(root: Path, name: str, *, limit: int | None = None, seed: int = 42,
     """A BIG-Bench-Hard task as ICL: each exemplar is one document (one PCED expert), drawn
     without replacement from the task's OTHER examples with a per-example seeded generator."""
     file_name = BBH_TASKS[name]
-    data = read_json(_data_file(root, name, "bbh", file_name))
+    path = _data_file(root, name, "bbh", file_name)
+    data = read_json(path)
     rows = data.get("examples") if isinstance(data, dict) else None
     if not rows:
         raise DatasetError(f"{name}: {file_name} has no 'examples' list")
     if not 0 <= n_exemplars < len(rows):
         raise DatasetError(
             f"{name}: n_exemplars must be in [0, {len(rows) - 1}], got {n_exemplars}")
-    task = Path(file_name).stem
-    exemplars = [Document(id=f"{task}-{i}", text=format_exemplar(r["input"], r["target"]))
-                 for i, r in enumerate(rows)]
-    examples = []
-    for i, row in enumerate(_take(rows, limit)):
-        others = [j for j in range(len(rows)) if j != i]
-        picked = example_rng(seed, i).sample(others, n_exemplars)
-        examples.append(Example(
-            id=f"{task}-{i}", question=row["input"], answers=[row["target"]],
-            documents=[exemplars[j] for j in picked], gold_doc_ids=[],
-            metadata={"task": task},
-        ))
+    with expected_shape(path, name):
+        task = Path(file_name).stem
+        exemplars = [Document(id=f"{task}-{i}", text=format_exemplar(r["input"], r["target"]))
+                     for i, r in enumerate(rows)]
+        examples = []
+        for i, row in enumerate(_take(rows, limit)):
+            others = [j for j in range(len(rows)) if j != i]
+            picked = example_rng(seed, i).sample(others, n_exemplars)
+            examples.append(Example(
+                id=f"{task}-{i}", question=row["input"], answers=[row["target"]],
+                documents=[exemplars[j] for j in picked], gold_doc_ids=[],
+                metadata={"task": task},
+            ))
     return Dataset(name=name, task="icl", metric="icl_em", examples=examples, corpus=None,
                    setting="exemplars")

@@ -27,6 +27,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from pced.errors import UserError
 from pced.evaluation.longbench_metrics import (
     classification_score,
     code_sim_score,
@@ -246,7 +247,7 @@ def _best_over(fn: Callable[[str, str], float]) -> Scorer:
 def _classification(prediction: str, answers: Sequence[str], *, all_classes: Sequence[str]
                     | None = None, **_: object) -> float:
     if all_classes is None:
-        raise ValueError("classification needs all_classes=[...] (from the example's metadata)")
+        raise UserError("classification needs all_classes=[...] (from the example's metadata)")
     return max((classification_score(prediction, str(a), all_classes) for a in answers),
                default=0.0)
 
@@ -292,7 +293,7 @@ def score(metric_name: str, prediction: str, answers: str | Sequence[str], *,
     try:
         scorer = METRICS[metric_name]
     except KeyError:
-        raise ValueError(f"unknown metric {metric_name!r}; known: {', '.join(METRICS)}") from None
+        raise UserError(f"unknown metric {metric_name!r}; known: {', '.join(METRICS)}") from None
     if first_line:
         prediction = prediction.lstrip("\n").split("\n")[0]
     return float(scorer(prediction, as_answer_list(answers), **kwargs))

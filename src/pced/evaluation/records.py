@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import gzip
 import json
+from contextlib import contextmanager
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pced.documents import Document
+from pced.errors import UserError
 
-__all__ = ["Dataset", "DatasetError", "Example"]
+__all__ = ["Dataset", "DatasetError", "Example", "expected_shape"]
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """Bad dataset name or files; the message is one line, fit for the CLI to print as is."""
 
 
@@ -48,6 +50,18 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+
+@contextmanager
+def expected_shape(path: Path, dataset: str):
+    """Records of the wrong shape (a field missing, a list where an object belongs) become one
+    line that names the file, not a KeyError from deep inside a loader."""
+    try:
+        yield
+    except KeyError as exc:
+        raise DatasetError(f"{path}: not a {dataset} file: a record has no field {exc.args[0]!r}") from None
+    except (TypeError, AttributeError, IndexError, ValueError) as exc:
+        raise DatasetError(f"{path}: not a {dataset} file: a record has an unexpected shape ({exc})") from None
 
 
 def read_json(path: Path) -> Any:

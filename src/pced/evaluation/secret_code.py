@@ -14,6 +14,7 @@ import random
 import string
 from typing import Any
 
+from pced.errors import UserError
 from pced.documents import Document
 from pced.evaluation.records import Dataset, Example, example_rng
 
@@ -63,7 +64,7 @@ def _exact_length_text(tokenizer: Any, rng: random.Random, n_tokens: int,
     remaining gap is closed with single padding pieces."""
     words = list(head)
     if head and token_count(tokenizer, " ".join(head)) > n_tokens:
-        raise ValueError(f"doc_tokens={n_tokens} is too small for {' '.join(head)!r}")
+        raise UserError(f"doc_tokens={n_tokens} is too small for {' '.join(head)!r}")
     total = 0
     while total <= n_tokens:
         target = len(words) + n_tokens + 8
@@ -119,7 +120,7 @@ def make_secret_code(tokenizer: Any, n_docs: int = 64, doc_tokens: int = 2048, s
     latency treats the first instance as the warm-up (the paper discards one).
     """
     if n_docs < 1 or doc_tokens < 1 or n_examples < 1:
-        raise ValueError("n_docs, doc_tokens and n_examples must be >= 1")
+        raise UserError("n_docs, doc_tokens and n_examples must be >= 1")
     examples = []
     for e in range(n_examples):
         rng = example_rng(seed, e)

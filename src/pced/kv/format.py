@@ -13,13 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import DataError
 from .segment import DocKV
 
 FORMAT_VERSION = 1
 
 
-class CacheError(RuntimeError):
+class CacheError(DataError):
     """A stored cache that cannot be used: built for another model/template, or damaged."""
+
+    code = "damaged_cache"
 
 
 def content_hash(context_text: str) -> str:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
 from .segment import DocKV, PinnedStaging
 
 GIB = 1 << 30
@@ -34,7 +35,7 @@ class CacheTiers:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.gpu_cache_gb) or self.gpu_cache_gb < 0:
-            raise ValueError(f"gpu_cache_gb must be a finite number >= 0, got {self.gpu_cache_gb!r}")
+            raise UserError(f"gpu_cache_gb must be a finite number >= 0, got {self.gpu_cache_gb!r}")
 
     def pool_for(self, device: torch.device | str, dtype: torch.dtype) -> "DevicePool | None":
         """The device tier for a model on ``device``, or None where caches go straight from the mapping

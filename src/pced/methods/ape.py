@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..errors import DataError
 from ..sampling import SamplingConfig
 from ..backends.ape_attention import APERows, DocumentCache
 from ..decoding import Generation, PlainScoring
@@ -42,7 +43,7 @@ def ape_from_store(
 ) -> APEGeneration:
     """An APEGeneration over document texts (ranked order), encoding any not yet in ``store``."""
     if store.identity["model_fingerprint"] != llm.fingerprint:
-        raise ValueError(f"the KV store {store.root} was built for model {store.identity['model']!r}, not {llm.name!r}")
+        raise DataError(f"the KV store {store.root} was built for model {store.identity['model']!r}, not {llm.name!r}")
     digests = store.add(list(documents), progress=False)
     return APEGeneration(
         llm,

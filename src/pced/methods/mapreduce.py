@@ -29,13 +29,14 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..answers import Step
 from ..backends.rows import PlainRows
 from ..decoding import Generation, PlainScoring
 from ..llm import LoadedModel
 from ..options import AskOptions
-from ..prompts import PromptBuilder
+from ..prompts import PromptBuilder, render_chat
 from .concat import PlainGeneration
 
 MAP_INSTRUCTION = "Summarize the given documents concisely, focusing on the key points and main ideas."
@@ -43,12 +44,7 @@ MAP_INSTRUCTION = "Summarize the given documents concisely, focusing on the key 
 
 def map_prompt_ids(tokenizer: object, document: str, instruction: str = MAP_INSTRUCTION) -> list[int]:
     """The map call's prompt: system = instruction, user = document, then the generation prompt."""
-    messages = [{"role": "system", "content": instruction}, {"role": "user", "content": document.strip()}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        merged = [{"role": "user", "content": instruction + "\n\n" + document.strip()}]
-        text = tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, instruction, document.strip())
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -58,7 +54,7 @@ class MapReduceRows:
     def __init__(self, llm: LoadedModel, builder: PromptBuilder, documents: Sequence[str], question: str,
                  max_new_tokens: int, summary_tokens: int):
         if summary_tokens < 1:
-            raise ValueError(f"summary_tokens must be >= 1, got {summary_tokens}")
+            raise UserError(f"summary_tokens must be >= 1, got {summary_tokens}")
         self.llm, self.builder, self.question = llm, builder, question
         self.documents, self.max_new_tokens, self.summary_tokens = list(documents), max_new_tokens, summary_tokens
         self.prompt_ids: list[int] = []  # the reduce prompt, known once the map phase has run
@@ -67,6 +63,7 @@ class MapReduceRows:
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
         self.reduce: PlainRows | None = None
+        self.deadline = None  # the generation's Deadline: the map calls stop at it too
 
     def prefill(self) -> torch.Tensor:
         started = time.perf_counter()
@@ -74,7 +71,9 @@ class MapReduceRows:
         prompt_tokens = 0
         for document in self.documents:
             ids = map_prompt_ids(self.llm.tokenizer, document)
-            summary = PlainGeneration(self.llm, ids, greedy, method="mapreduce (map)").answer()
+            call = PlainGeneration(self.llm, ids, greedy, method="mapreduce (map)")
+            call.deadline = self.deadline
+            summary = call.answer()
             self.summaries.append(summary.text.strip())
             prompt_tokens += len(ids)
             self.map_generated += len(summary.token_ids)
@@ -113,6 +112,7 @@ class MapReduceGeneration(Generation):
         return self.map_rows.summaries
 
     def __iter__(self) -> Iterator[Step]:
+        self.map_rows.deadline = self.deadline
         for step in super().__iter__():
             self.stats["generated_tokens"] = self.map_rows.map_generated + len(self.tracker.ids)
             yield step

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..errors import UserError
 from pced.documents import Document
 from pced.options import AskOptions
 from pced.retrieval.storage import load_json, save_json
@@ -66,10 +67,10 @@ class BaseRetriever:
         """Build the index over ``documents`` (their ``render()``: title, then text)."""
         documents = list(documents)
         if not documents:
-            raise ValueError("cannot index an empty corpus")
+            raise UserError("cannot index an empty corpus")
         ids = [d.id for d in documents]
         if len(set(ids)) != len(ids):
-            raise ValueError("document ids must be unique")
+            raise UserError("document ids must be unique")
         self._index_texts([d.render() for d in documents])
         self.doc_ids = ids
         self.documents = documents

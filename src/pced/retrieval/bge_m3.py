@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserError
 from pced.retrieval._local_models import local_model_dir
 from pced.retrieval.storage import library_versions, model_fingerprint
 
@@ -124,7 +125,7 @@ class BGEM3Encoder:
 
         unknown = set(modes) - set(MODES)
         if unknown:
-            raise ValueError(f"unknown BGE-M3 modes {sorted(unknown)}; choose from {MODES}")
+            raise UserError(f"unknown BGE-M3 modes {sorted(unknown)}; choose from {MODES}")
         texts = list(texts)
         max_length = max_length or self.max_length
         dense: list[np.ndarray | None] = [None] * len(texts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import UserError
 from pced.documents import Document
 from pced.options import RETRIEVERS
 from pced.retrieval.base import BaseRetriever
@@ -28,7 +29,7 @@ def hybrid_fusion(name: str) -> str:
 def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, BaseRetriever]) -> BaseRetriever:
     """Retriever ``name`` of the indexes in ``base``, memoised in ``opened``."""
     if name not in RETRIEVERS:
-        raise ValueError(f"unknown retriever {name!r}; choose one of {', '.join(RETRIEVERS)}")
+        raise UserError(f"unknown retriever {name!r}; choose one of {', '.join(RETRIEVERS)}")
     if name not in opened:
         from pced.retrieval.hybrid import HybridRetriever
         from pced.retrieval.registry import load_retriever
@@ -39,7 +40,7 @@ def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, 
             opened[name] = HybridRetriever(m3.with_mode("sparse"), m3.with_mode("dense"), fusion=hybrid_fusion(name)) \
                 if name.startswith("hybrid") else m3.with_mode(name)
         elif name == "colbert":
-            raise ValueError("the colbert retriever needs a store built with --bge-m3 PATH")
+            raise UserError("the colbert retriever needs a store built with --bge-m3 PATH")
         elif name.startswith("hybrid"):
             opened[name] = HybridRetriever(open_retriever(base, "sparse", None, opened),
                                            open_retriever(base, "dense", None, opened), fusion=hybrid_fusion(name))

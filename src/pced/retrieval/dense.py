@@ -25,6 +25,7 @@ from pced.documents import Document
 from pced.retrieval.base import BaseRetriever, load_doc_ids, save_doc_ids
 from pced.retrieval.scores import normalize_dense
 from pced.retrieval.storage import (
+    check_rows,
     library_versions,
     load_array,
     model_fingerprint,
@@ -122,6 +123,8 @@ class DenseRetriever(BaseRetriever):
         retriever = cls(name=manifest["name"], device=device, **params)
         retriever.embeddings = load_array(Path(directory) / EMBEDDINGS_FILE, mmap=mmap)
         retriever.doc_ids = load_doc_ids(directory)
+        dim = (manifest.get("describe") or {}).get("dim")
+        check_rows(Path(directory) / EMBEDDINGS_FILE, retriever.embeddings, len(retriever.doc_ids), dim)
         return retriever
 
     def _params(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserError
 from pced.documents import Document
 from pced.retrieval.base import DEFAULT_TOP_N, QUERY_CHUNK, BaseRetriever, Hit, top_indices
 from pced.retrieval.scores import FUSIONS, clip_relevance, fuse, fuse_mean, fuse_rrf
@@ -35,7 +36,7 @@ class HybridRetriever(BaseRetriever):
                  fusion: str = FUSIONS[0]) -> None:
         super().__init__()
         if fusion not in FUSIONS:
-            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+            raise UserError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
         self.sparse, self.dense, self.fusion = sparse, dense, fusion
         self.name = name or f"{sparse.name}+{dense.name}"
         if sparse.doc_ids and dense.doc_ids:
@@ -43,7 +44,7 @@ class HybridRetriever(BaseRetriever):
 
     def _adopt_ids(self) -> None:
         if self.sparse.doc_ids != self.dense.doc_ids:
-            raise ValueError("hybrid components index different corpora")
+            raise UserError("hybrid components index different corpora")
         self.doc_ids = list(self.sparse.doc_ids)
 
     def index(self, documents: Sequence[Document]) -> HybridRetriever:

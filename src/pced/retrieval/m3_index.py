@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UserError
 from pced.retrieval._local_models import local_model_dir
 from pced.retrieval.base import (
     DEFAULT_TOP_N,
@@ -56,7 +57,7 @@ class BGEM3Retriever(BaseRetriever):
         super().__init__()
         self.modes = tuple(dict.fromkeys(modes or (mode,)))
         if mode not in self.modes or not set(self.modes) <= set(MODES):
-            raise ValueError(f"mode {mode!r} must be one of modes {self.modes} (subset of {MODES})")
+            raise UserError(f"mode {mode!r} must be one of modes {self.modes} (subset of {MODES})")
         self.mode = mode
         self.kind = mode  # "dense" | "sparse" | "colbert"
         self.name = name or f"bge-m3-{mode}"
@@ -77,7 +78,7 @@ class BGEM3Retriever(BaseRetriever):
     def with_mode(self, mode: str) -> BGEM3Retriever:
         """The same index (shared arrays and model) ranking by another stored mode."""
         if mode not in self.modes:
-            raise ValueError(f"mode {mode!r} was not indexed (indexed: {self.modes})")
+            raise UserError(f"mode {mode!r} was not indexed (indexed: {self.modes})")
         other = copy.copy(self)
         other.mode, other.kind, other.name = mode, mode, f"bge-m3-{mode}"
         return other

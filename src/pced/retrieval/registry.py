@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import DataError
 from pced.retrieval.base import BaseRetriever
 from pced.retrieval.storage import read_manifest
 
@@ -31,7 +32,7 @@ def load_retriever(directory: str | os.PathLike, **kwargs: Any) -> BaseRetriever
     kind = read_manifest(directory)["type"]
     classes = _classes()
     if kind not in classes:
-        raise ValueError(f"{directory}: unknown retriever type {kind!r}")
+        raise DataError(f"{directory}: unknown retriever type {kind!r}")
     cls = classes[kind]
     if getattr(cls, "composite", False):
         return cls.load(directory, load_component=load_retriever, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import UserError
 from pced.retrieval._local_models import local_model_dir
 from pced.retrieval.storage import library_versions, model_fingerprint
 
@@ -55,12 +56,12 @@ class SequenceClassifierReranker:
         self.model = AutoModelForSequenceClassification.from_pretrained(
             str(self.model_dir), local_files_only=True, dtype=dtype).to(self.device).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(f"{self.model_dir}: a reranker needs one output logit, "
+            raise UserError(f"{self.model_dir}: a reranker needs one output logit, "
                              f"this model has {self.model.config.num_labels}")
         # Leave the passage at least one token, or pair truncation has nothing left to cut.
         room = max_length - self.tokenizer.num_special_tokens_to_add(pair=True) - 1
         if room < 1:
-            raise ValueError(f"max_length={max_length} leaves no room for query and passage")
+            raise UserError(f"max_length={max_length} leaves no room for query and passage")
         self.query_max_length = min(self.query_max_length, room)
 
     def _truncate_query(self, query: str) -> str:
@@ -106,7 +107,7 @@ class CrossEncoderReranker:
         self.model = CrossEncoder(str(self.model_dir), device=device, local_files_only=True,
                                   max_length=max_length)
         if self.model.num_labels != 1:
-            raise ValueError(f"{self.model_dir}: a reranker needs one output logit, "
+            raise UserError(f"{self.model_dir}: a reranker needs one output logit, "
                              f"this model has {self.model.num_labels}")
 
     def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
@@ -138,4 +139,4 @@ def load_reranker(model_path: str | os.PathLike, backend: str = "auto", **kwargs
         return CrossEncoderReranker(model_dir, **kwargs)
     if backend == "flag":
         return SequenceClassifierReranker(model_dir, **kwargs)
-    raise ValueError(f"unknown reranker backend {backend!r}")
+    raise UserError(f"unknown reranker backend {backend!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DataError
 from pced.fingerprint import files_fingerprint
 from pced.fs import atomic_path, atomic_write_json
 
@@ -31,8 +32,39 @@ def save_array(path: str | os.PathLike, array: np.ndarray) -> None:
 
 
 def load_array(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
-    """Read a ``.npy`` file, memory-mapped by default so large indexes open instantly."""
-    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    """Read a ``.npy`` file, memory-mapped by default so large indexes open instantly; a missing,
+    truncated or malformed file is a one-line ``DataError`` that names it."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise DataError(f"{path}: missing or damaged index file ({exc}); re-run pced index") from None
+
+
+def check_rows(path: Path, array: np.ndarray, rows: int, dim: int | None = None) -> None:
+    """An embedding matrix holds one row per document (of the recorded width)."""
+    if array.ndim != 2 or array.shape[0] != rows or (dim is not None and array.shape[1] != dim):
+        raise DataError(f"{path}: {array.shape} embeddings for {rows} documents"
+                        f"{f' of dimension {dim}' if dim else ''}; re-run pced index")
+
+
+def verify_index_files(root: str | os.PathLike) -> list[str]:
+    """Open every array and JSON file of the indexes under ``root`` as their readers do (arrays
+    memory-mapped: a truncated one fails here); one line per damaged file."""
+    damaged = []
+    for path in sorted(Path(root).rglob("*")):
+        if any(part.startswith(".") for part in path.relative_to(root).parts) or not path.is_file():
+            continue  # a staging leftover, not part of the index
+        if path.suffix == ".npy":
+            try:
+                load_array(path)
+            except DataError as exc:
+                damaged.append(str(exc))
+        elif path.suffix == ".json":
+            try:
+                load_json(path)
+            except (ValueError, OSError) as exc:
+                damaged.append(f"{path}: not readable JSON ({exc}); re-run pced index")
+    return damaged
 
 
 def save_json(path: str | os.PathLike, obj: Any) -> None:
@@ -68,9 +100,9 @@ def read_manifest(directory: str | os.PathLike, expected_type: str | None = None
         raise FileNotFoundError(f"no retrieval index at {directory} ({MANIFEST} missing)")
     manifest = load_json(path)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+        raise DataError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
     if expected_type is not None and manifest.get("type") != expected_type:
-        raise ValueError(f"{path}: index type {manifest.get('type')!r}, expected {expected_type!r}")
+        raise DataError(f"{path}: index type {manifest.get('type')!r}, expected {expected_type!r}")
     return manifest
 
 

@@ -20,6 +20,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decoding import TimeLimitError
+from ..errors import UserError
 from ..options import AskOptions, VLLMSettings
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
@@ -41,33 +43,75 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def as_request_error(exc: BaseException) -> RequestError:
+    """The error body of a failed generation, by the error's kind (never by ValueError: a bug in a
+    library is not the client's fault)."""
     if isinstance(exc, RequestError):
         return exc
     if is_client_error(exc):
-        return RequestError(str(exc), None, "invalid_value")
+        return RequestError(str(exc), None, getattr(exc, "code", None) or "invalid_value")
+    if isinstance(exc, TimeLimitError):
+        return RequestError(f"{exc}; ask for fewer tokens or documents", None, exc.code, status=504, type_="server_error")
     if is_data_error(exc):
-        return RequestError(str(exc), None, "damaged_cache", status=500, type_="server_error")
+        return RequestError(str(exc), None, exc.code, status=500, type_="server_error")
     return RequestError("internal error while generating (details are in the server log)", None, "internal_error",
                         status=500, type_="server_error")
 
 
-class Guard:
-    """ASGI middleware: the API key on /v1/*, then the request-body size limit (413)."""
+def open_with_key(path: str) -> bool:
+    """The page and its static files stay open with --api-key: they are the same files for every
+    server (no model, document or queue in them), and the page must load to let its user type the key.
+    ``/defaults`` is the form those files start from: pced's defaults and the request limits, nothing
+    about the model, the documents or the queue."""
+    return path in ("/", "/defaults") or path.startswith("/static/")
 
-    def __init__(self, app, max_body_bytes: int, api_key: str | None):
-        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+
+def _split_host(value: str) -> tuple[str, int | None]:
+    """``Host`` header -> (name, port); port None when absent or not a number."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [::1]:8000
+        name, _, rest = value[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        name, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    return name, int(port) if port.isdigit() else None
+
+
+def host_allowed(header: str, server: tuple | None, names: tuple[str, ...] = ()) -> bool:
+    """Whether a ``Host`` header names this server: a loopback name, the address the connection
+    arrived on, or a name it was bound as, with the port it listens on (DNS-rebinding protection)."""
+    name, port = _split_host(header)
+    local_host, local_port = (server[0], server[1]) if server else (None, None)
+    if local_port is not None and (port if port is not None else 80) != local_port:
+        return False
+    allowed = {"localhost", "127.0.0.1", "::1", *(n.lower().strip("[]") for n in names)}
+    if local_host:
+        allowed.add(str(local_host).lower())
+    return bool(name) and name in allowed
+
+
+class Guard:
+    """ASGI middleware: the API key on every route but the page's static files, or without a key
+    the Host check; then the request-body size limit (413)."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None, hosts: tuple[str, ...] = ()):
+        self.app, self.max_body_bytes, self.api_key, self.hosts = app, max_body_bytes, api_key, hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if self.api_key and not open_with_key(path):
             given = headers.get("authorization", "")
             token = given[7:].strip() if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
                 message = "missing or invalid API key: send 'Authorization: Bearer KEY'"
                 response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
+        if not self.api_key and not host_allowed(headers.get("host", ""), scope.get("server"), self.hosts):
+            message = ("this server answers requests for its own address only (Host "
+                       f"{headers.get('host', '')!r}); use 127.0.0.1 or localhost, or start it with --api-key")
+            return await error_response(400, message, code="invalid_host")(scope, receive, send)
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
@@ -119,9 +163,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 
 def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
-               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings()) -> FastAPI:
+               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings(),
+               hosts: tuple[str, ...] = ()) -> FastAPI:
     """An app over an opened DocumentStore: on the transformers backend one generation at a time,
-    in a worker thread; on the vLLM backend PCED questions decode together in its engine."""
+    in a worker thread; on the vLLM backend PCED questions decode together in its engine. Without
+    ``api_key`` it answers only Host headers that name it (loopback names, the address a request
+    arrived on, and ``hosts``: the names it was bound as)."""
     worker = Worker(store, limits, backend, vllm)
     model_name = model_id or store.llm.name
 
@@ -133,11 +180,15 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
     app = FastAPI(title="pced", description="Parallel Context-of-Experts Decoding", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.worker = worker
-    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key)
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key, hosts=tuple(hosts))
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, exc: UserError):  # a setting a dataclass refused on the way in
+        return error_response(400, str(exc), code=exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

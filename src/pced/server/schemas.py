@@ -15,13 +15,15 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling import SamplingConfig
+from ..errors import UserError
+from ..sampling import MIN_TOP_P, TEMPERATURE, SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 
 SAMPLING = SamplingConfig()
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,14 @@ class Limits:
     max_stop_chars: int = 64
     max_queue: int = 64
     max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
+    request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.request_timeout_s <= 0:
+            raise UserError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
 
 
 def form_defaults(limits: Limits) -> dict:
@@ -48,7 +58,7 @@ def form_defaults(limits: Limits) -> dict:
             "max_tokens": limits.default_max_tokens, "max_tokens_limit": limits.max_tokens}
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request the server refuses: reported as {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400,
@@ -200,17 +210,22 @@ def _sampling(options: SamplingOptions, limits: Limits) -> SamplingConfig:
     if not 1 <= max_tokens <= limits.max_tokens:
         raise RequestError(f"max_tokens must be between 1 and {limits.max_tokens}, got {max_tokens}", "max_tokens")
     temperature = 0.0 if options.temperature is None else options.temperature
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-        raise RequestError(f"temperature must be between 0 and 2, got {temperature}", "temperature")
+    if not (math.isfinite(temperature) and (temperature == 0 or TEMPERATURE[0] <= temperature <= MAX_TEMPERATURE)):
+        raise RequestError(f"temperature must be 0 (greedy) or between {TEMPERATURE[0]:g} and {MAX_TEMPERATURE:g}, "
+                           f"got {temperature}", "temperature")
     top_p = 1.0 if options.top_p is None else options.top_p
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if not (math.isfinite(top_p) and MIN_TOP_P <= top_p <= 1.0):
+        raise RequestError(f"top_p must be between {MIN_TOP_P:g} and 1, got {top_p}", "top_p")
     stop = [options.stop] if isinstance(options.stop, str) else list(options.stop or [])
     if len(stop) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stop):
         raise RequestError(f"stop: at most {limits.max_stop} non-empty strings of up to {limits.max_stop_chars} characters", "stop")
     if options.seed is not None and not 0 <= options.seed < 2**63:
         raise RequestError("seed must be a non-negative 64-bit integer", "seed")
-    return SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=options.seed, stop=tuple(stop))
+    try:
+        return SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=options.seed,
+                              stop=tuple(stop))
+    except UserError as exc:
+        raise RequestError(str(exc), None) from None
 
 
 def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions, sampling: SamplingOptions,
@@ -237,7 +252,7 @@ def to_job(question: str, documents: list[DocumentIn] | None, pced: PcedOptions,
                              rerank=pced.rerank, beta=pced.beta, gamma=pced.gamma, aggregation=pced.aggregation,
                              score_space=pced.score_space, prior=pced.prior, max_experts=pced.max_experts,
                              prune_margin=pced.prune_margin, rescore=pced.rescore, max_joins=pced.max_joins)
-    except ValueError as exc:
+    except UserError as exc:
         raise RequestError(str(exc), "pced") from None
     candidates = _candidates(documents, limits) if documents is not None else None
     decoding = replace(_sampling(sampling, limits), no_repeat_ngram=pced.no_repeat_ngram)

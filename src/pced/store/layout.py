@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..documents import Document
+from ..errors import DataError
 from ..fs import atomic_write_lines, recover_directory
 from ..options import DEFAULT_STORAGE_DTYPE, EMBEDDED, is_embedded
 
@@ -16,8 +17,10 @@ DOCUMENTS = "documents.jsonl"
 RETRIEVERS_DIR = "retrievers"
 
 
-class StoreError(RuntimeError):
+class StoreError(DataError):
     """A store that cannot be opened or extended as asked (reported as one line)."""
+
+    code = "damaged_store"
 
 
 @dataclass

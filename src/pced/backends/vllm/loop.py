@@ -17,11 +17,13 @@ import queue
 import threading
 from typing import Callable, Sequence
 
+from ...errors import PcedError
+
 log = logging.getLogger("pced.vllm")
 Sink = Callable[[object], None]  # a vllm RequestOutput, or the exception that stopped the engine
 
 
-class EngineError(RuntimeError):
+class EngineError(PcedError, RuntimeError):
     """The vLLM engine stopped (it failed to start or failed in a step)."""
 
 

@@ -217,7 +217,10 @@ async function ask(event) {
 
 async function showModel() {
   try {
-    const health = await (await fetch("/health")).json();
+    const key = $("api-key").value.trim();
+    const response = await fetch("/health", { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+    if (!response.ok) return;  // a server with --api-key tells nothing before the key is given
+    const health = await response.json();
     $("model").textContent = `Model ${health.model}, ${health.documents} documents. ` +
       "Every answer token is coloured by the document that won it; hover a token for its source.";
   } catch (err) { /* the page still works without it */ }
@@ -236,5 +239,6 @@ $("stop").addEventListener("click", () => controller && controller.abort());
 $("question").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("ask-form").requestSubmit(); }
 });
+$("api-key").addEventListener("change", showModel);
 showDefaults();
 showModel();

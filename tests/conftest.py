@@ -17,6 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer_dir() -> Path:
+    """The embedded model's folder, or PCED_TEST_TOKENIZER: a folder of its tokenizer files alone
+    (a GPU machine without the embedded model's package: scripts/gpu_kit.sh)."""
+    if os.environ.get("PCED_TEST_TOKENIZER"):
+        return Path(os.environ["PCED_TEST_TOKENIZER"])
     from pced.llm import embedded_model_dir
 
     return embedded_model_dir()

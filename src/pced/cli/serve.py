@@ -19,7 +19,7 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PCED_API_KEY if set, else open)")
     add_model_options(p)
     add_backend_options(p)
-    from ..server.schemas import Limits
+    from ..server.limits import Limits
 
     defaults = Limits()
     limits = p.add_argument_group("limits")

@@ -20,26 +20,9 @@ from ..documents import Candidate, Document
 from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+from .limits import Limits
 
 SAMPLING = SamplingConfig()
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for; every violation is a 4xx."""
-
-    max_body_bytes: int = 1_000_000
-    max_question_chars: int = MAX_QUESTION_CHARS
-    max_documents: int = 64
-    max_document_chars: int = 20_000
-    max_top_k: int = MAX_TOP_K
-    max_top_n: int = MAX_TOP_N
-    max_tokens: int = 1024
-    default_max_tokens: int = SAMPLING.max_new_tokens
-    max_stop: int = 4
-    max_stop_chars: int = 64
-    max_queue: int = 64
-    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
 
 
 class RequestError(ValueError):

@@ -1,0 +1,29 @@
+"""The server's request limits (plain data: the command line reads their defaults without loading
+the web framework)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..options import MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N
+from ..sampling import SamplingConfig
+
+SAMPLING = SamplingConfig()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; every violation is a 4xx."""
+
+    max_body_bytes: int = 1_000_000
+    max_question_chars: int = MAX_QUESTION_CHARS
+    max_documents: int = 64
+    max_document_chars: int = 20_000
+    max_top_k: int = MAX_TOP_K
+    max_top_n: int = MAX_TOP_N
+    max_tokens: int = 1024
+    default_max_tokens: int = SAMPLING.max_new_tokens
+    max_stop: int = 4
+    max_stop_chars: int = 64
+    max_queue: int = 64
+    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)

@@ -66,7 +66,7 @@ def targets(results: dict, int8: dict | None = None, tests: str | None = None, s
     if tests is not None:
         passed = re.search(r"(\d+) passed", tests)
         failed = re.search(r"(\d+) (failed|error)", tests)
-        out.append({"target": "CUDA test lane", "k": None, "value": float(passed.group(1)) if passed else None,
+        out.append({"target": "Device test lane (PCED_TEST_DEVICE)", "k": None, "value": float(passed.group(1)) if passed else None,
                     "unit": " passed", "threshold": "0 failed",
                     "status": "not run" if passed is None and failed is None else "not met" if failed else "met"})
     if seconds is not None:

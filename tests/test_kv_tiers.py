@@ -221,3 +221,17 @@ def test_the_default_pool_is_none_on_a_cpu_and_a_share_of_free_memory_on_cuda():
         free, _ = torch.cuda.mem_get_info()
         budget = tiers.pool_for("cuda", torch.bfloat16).budget
         assert 0 < budget <= free * tiers.cuda_free_share
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a CUDA device")
+def test_one_staging_shared_by_threads_copies_every_tensor_exactly():
+    """The store's prefix and its pool's loads share one staging from different threads: each copy
+    takes a buffer and its turn under the staging's lock, so no copy reads another's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    staging = PinnedStaging()
+    tensors = [torch.full((4, 2, 64 + i, 8), float(i)) for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:
+        moved = list(pool.map(lambda t: staging.copy(t, torch.device("cuda")), tensors))
+    torch.cuda.synchronize()
+    assert all(torch.equal(m.cpu(), t) for m, t in zip(moved, tensors))

@@ -73,17 +73,18 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    resolved = settings.for_platform(cuda=current_platform.is_cuda_alike())
+    cuda = current_platform.is_cuda_alike()
+    resolved = settings.for_platform(cuda=cuda)
     args = dict(model=str(model_dir), enable_prefix_caching=True, **resolved.engine_args())
     probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
     if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)
         probe["kv_transfer_config"] = KVTransferConfig(**probe["kv_transfer_config"])
     config = EngineArgs(**probe).create_engine_config()
-    window = config.model_config.max_model_len  # the model's own (vLLM derives it: config/model.py:2129-2153)
-    if settings.max_model_len is None and resolved.max_model_len is not None:  # a platform cap, not a request
-        args["max_model_len"] = min(window, resolved.max_model_len)
-    if resolved.max_model_len is not None and settings.max_num_batched_tokens is None:
-        args["max_num_batched_tokens"] = max(args["max_model_len"], resolved.max_num_seqs)
+    if cuda:  # a bounded prefill budget: whole prefills need it >= the window (config/scheduler.py:315-327)
+        if settings.max_model_len is None:  # the platform's cap, within the model's own window
+            args["max_model_len"] = min(config.model_config.max_model_len, resolved.max_model_len)
+        if settings.max_num_batched_tokens is None:
+            args["max_num_batched_tokens"] = max(args["max_model_len"], resolved.max_num_seqs)
     return args, config.use_v2_model_runner
 
 

@@ -24,6 +24,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer_dir() -> Path:
+    """The embedded model's folder, or PCED_TEST_TOKENIZER: a folder of its tokenizer files alone
+    (a GPU machine without the embedded model's package: scripts/gpu_kit.sh)."""
+    if os.environ.get("PCED_TEST_TOKENIZER"):
+        return Path(os.environ["PCED_TEST_TOKENIZER"])
     from pced.llm import embedded_model_dir
 
     return embedded_model_dir()

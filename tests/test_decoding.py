@@ -178,3 +178,38 @@ def test_the_ban_applies_to_plain_scoring_too(tiny_llm):
     assert run(0) == [ids[0], ids[1], ids[2], ids[3]] * 3 and repeats(run(0), 3) == 6
     assert repeats(run(3), 3) == -1 and run(3)[:6] == run(0)[:6] and run(3)[6] != run(0)[6]
     assert repeats(run(2), 2) == -1 and run(2)[:5] == run(0)[:5]
+def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_are(tiny_llm):
+    """A serving engine's rows (vLLM's) choose each token inside the engine: the loop streams,
+    detokenizes, stops at EOS and traces exactly the tokens and winners they hand it, and never asks
+    the scoring for scores."""
+    from pced.backends.vllm.engine import TapeScoring
+    from pced.backends.vllm.groups import GroupMember, GroupState
+    from pced.decoding import Decision, Generation
+    from pced.documents import Candidate, Document
+
+    tokens = tiny_llm.tokenizer.encode(" Oskvale, by the lake", add_special_tokens=False)
+    winners = [1, 1, AMATEUR, 0, 1][: len(tokens)] + [0] * max(0, len(tokens) - 5)
+    decided = [Decision(t, w) for t, w in zip(tokens, winners)] + [Decision(tiny_llm.tokenizer.eos_token_id, 0)]
+    rule = RuleConfig(beta="dynamic", gamma=2.5)
+    state = GroupState.start(GroupMember("g", 0, (0.9, 0.5), rule))
+
+    class DecidedRows:
+        timings, stats = {}, {}
+
+        def __init__(self):
+            self.taken = []
+
+        def prefill(self):
+            return decided[0]
+
+        def advance(self, token):
+            self.taken.append(token)
+            return decided[len(self.taken)]
+
+    candidates = [Candidate(Document("a", "A."), 0.9), Candidate(Document("b", "B."), 0.5)]
+    rows = DecidedRows()
+    answer = Generation(rows, TapeScoring(state, candidates, rule), tiny_llm, SamplingConfig(max_new_tokens=32)).answer()
+    assert answer.token_ids == tokens and rows.taken == tokens
+    assert [s.winner for s in answer.trace] == winners
+    assert [s.doc_id for s in answer.trace] == [None if w == AMATEUR else "ab"[w] for w in winners]
+    assert answer.text == tiny_llm.tokenizer.decode(tokens)

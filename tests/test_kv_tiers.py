@@ -174,3 +174,64 @@ def test_a_resident_cache_does_not_wait_behind_another_threads_read(tiny_llm, tm
     assert pool.counters["hits"] == 1 and pool.counters["misses"] == 2
     again = pool.get(second, lambda: None)  # resident now: read() is not called
     assert again is not None and pool.counters["hits"] == 2
+
+
+def test_misses_of_different_caches_read_at_the_same_time(tiny_llm, tmp_path):
+    """Two threads missing two different caches: the second read starts while the first is still
+    reading (one lock for every load made the second wait for the first to finish)."""
+    import threading
+
+    builder = PromptBuilder(tiny_llm.tokenizer)
+    store = KVStore(tmp_path, tiny_llm, builder, "float16")
+    first, second = store.add(DOCS[:2], progress=False)
+    pool = DevicePool(torch.device("cpu"), torch.float32, GIB)
+    first_reading, second_reading = threading.Event(), threading.Event()
+
+    def read_first():  # lasts until the other cache's read has begun
+        first_reading.set()
+        assert second_reading.wait(10), "the second cache's read waited behind the first"
+        return store._read(store.path_for(first), first, None)
+
+    def read_second():
+        second_reading.set()
+        return store._read(store.path_for(second), second, None)
+
+    failures = []
+
+    def load_first():
+        try:
+            pool.get(first, read_first)
+        except AssertionError as exc:
+            failures.append(exc)
+
+    loader = threading.Thread(target=load_first)
+    loader.start()
+    assert first_reading.wait(10)
+    pool.get(second, read_second)
+    loader.join(30)
+    assert not failures and first in pool and second in pool and pool.counters["misses"] == 2
+
+
+def test_the_default_pool_is_none_on_a_cpu_and_a_share_of_free_memory_on_cuda():
+    tiers = CacheTiers()
+    assert tiers.gpu_cache_gb is None and tiers.budget_bytes(torch.device("cpu")) == 0
+    assert tiers.pool_for("cpu", torch.float32) is None
+    assert CacheTiers(gpu_cache_gb=0.5).budget_bytes(torch.device("cpu")) == GIB // 2
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        budget = tiers.pool_for("cuda", torch.bfloat16).budget
+        assert 0 < budget <= free * tiers.cuda_free_share
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a CUDA device")
+def test_one_staging_shared_by_threads_copies_every_tensor_exactly():
+    """The store's prefix and its pool's loads share one staging from different threads: each copy
+    takes a buffer and its turn under the staging's lock, so no copy reads another's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    staging = PinnedStaging()
+    tensors = [torch.full((4, 2, 64 + i, 8), float(i)) for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:
+        moved = list(pool.map(lambda t: staging.copy(t, torch.device("cuda")), tensors))
+    torch.cuda.synchronize()
+    assert all(torch.equal(m.cpu(), t) for m, t in zip(moved, tensors))

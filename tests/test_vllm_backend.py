@@ -36,7 +36,9 @@ def compare(store: Path, settings: dict) -> list[dict]:
     result = subprocess.run([sys.executable, str(COMPARE), str(store), str(store.parent / "questions.json"),
                              json.dumps(settings)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][1:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines[-1] == {"closed": True}  # the engine was released
+    return lines[1:-1]
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_model_len": 256, "max_num_batched_tokens": 256}],

@@ -5,12 +5,13 @@ the tape, and driving the tiny model's rows through it reproduces the transforme
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from pced.sampling import SamplingConfig
-from pced.backends.vllm.groups import GroupMember, GroupState, Row, apply_groups
-from pced.backends.vllm.processor import GROUPS, PCEDLogitsProcessor, PCEDLogitsProcessorV2, check_params
+from pced.backends.vllm.groups import GroupMember, GroupRegistry, GroupState, Row, apply_groups
+from pced.backends.vllm.processor import PCEDLogitsProcessor, check_params, processor_class
 from pced.kv.encode import encode_documents, encode_prefix
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.prompts import PromptBuilder
@@ -22,6 +23,18 @@ RELEVANCE = (0.9, 0.6, 0.3)
 
 def members(group="q1", rule=RULE, relevance=RELEVANCE):
     return [GroupMember(group, m, relevance, rule) for m in range(len(relevance) + 1)]
+
+
+def registry(*groups: list[GroupMember]) -> GroupRegistry:
+    """A registry with those groups open (as the engine opens a question's group before submitting it)."""
+    opened = GroupRegistry()
+    for group in groups:
+        opened.open(group[0].group, GroupState.start(group[0]))
+    return opened
+
+
+def state(groups: GroupRegistry, group: str) -> GroupState:
+    return groups.open_states([group])[group]
 
 
 def forced_token(row: torch.Tensor) -> int:
@@ -39,11 +52,11 @@ def test_complete_group_emits_one_token_everywhere_and_leaves_other_requests_alo
     reference = ContrastiveRule(RULE, torch.tensor(RELEVANCE)).choose(
         torch.stack([logits[layout.index(m)] for m in group]))
     untouched = logits[[0, 4]].clone()
-    states: dict[str, GroupState] = {}
+    states = registry(group)
     apply_groups(logits, [Row(i, m, 0) for i, m in enumerate(layout) if m is not None], states)
     assert {forced_token(logits[i]) for i, m in enumerate(layout) if m is not None} == {reference.token}
     assert torch.equal(logits[[0, 4]], untouched)
-    state = states["q1"]
+    state = states.close("q1")
     assert state.tape == [reference.token] and state.winners == [reference.winner]
     assert (state.complete, state.degraded) == (1, 0) and len(state.betas()) == 3
 
@@ -51,25 +64,25 @@ def test_complete_group_emits_one_token_everywhere_and_leaves_other_requests_alo
 def test_lagging_member_follows_the_tape_and_incomplete_steps_are_counted():
     torch.manual_seed(1)
     group = members()
-    states: dict[str, GroupState] = {}
+    states = registry(group)
     # step 0: the third expert is not scheduled yet
     step0 = torch.randn(3, 40)
     apply_groups(step0, [Row(0, group[0], 0), Row(1, group[1], 0), Row(2, group[2], 0)], states)
     first = forced_token(step0[0])
-    assert states["q1"].degraded == 1 and states["q1"].rule.beta is None  # betas wait for a complete step
+    assert state(states, "q1").degraded == 1 and state(states, "q1").rule.beta is None  # betas wait for a complete step
     # step 1: it arrives (nothing generated yet) while the others need their second token
     step1 = torch.randn(4, 40)
     apply_groups(step1, [Row(0, group[0], 1), Row(1, group[1], 1), Row(2, group[2], 1), Row(3, group[3], 0)], states)
     assert forced_token(step1[3]) == first  # it catches up on exactly the token the others saw
     second = forced_token(step1[0])
-    assert {forced_token(step1[i]) for i in range(3)} == {second} and states["q1"].degraded == 2
+    assert {forced_token(step1[i]) for i in range(3)} == {second} and state(states, "q1").degraded == 2
     # step 2: everyone at the frontier: a complete step, the same rule as the transformers backend
     step2 = torch.randn(4, 40)
     rule = ContrastiveRule(RULE, torch.tensor(RELEVANCE))
     expected = rule.choose(step2.clone())
     apply_groups(step2, [Row(i, group[i], 2) for i in range(4)], states)
     assert {forced_token(step2[i]) for i in range(4)} == {expected.token}
-    assert states["q1"].tape == [first, second, expected.token] and states["q1"].complete == 1
+    assert state(states, "q1").tape == [first, second, expected.token] and state(states, "q1").complete == 1
     with pytest.raises(RuntimeError, match="ahead of its group's tape"):
         apply_groups(torch.randn(1, 40), [Row(0, group[0], 9)], states)
 
@@ -82,7 +95,7 @@ def test_two_groups_in_one_batch_decide_independently():
     expect_a = ContrastiveRule(RULE, torch.tensor(RELEVANCE)).choose(logits[:4].clone()).token
     expect_b = ContrastiveRule(RULE, torch.tensor((0.2, 0.8, 0.5))).choose(logits[4:].clone()).token
     random.Random(0).shuffle(rows)
-    apply_groups(logits, rows, {})
+    apply_groups(logits, rows, registry(a, b))
     assert [forced_token(logits[i]) for i in range(8)] == [expect_a] * 4 + [expect_b] * 4
 
 
@@ -99,7 +112,8 @@ def test_rows_of_the_tiny_model_in_engine_order_reproduce_the_transformers_backe
                                RULE, SamplingConfig(max_new_tokens=8, ignore_eos=True)).answer()
     prompts = [builder.prefix_ids + builder.suffix_ids(question, False)]
     prompts += [builder.prefix_ids + builder.context_ids([d]) + builder.suffix_ids(question) for d in docs]
-    group, states, generated = members("tiny"), {}, []
+    group, generated = members("tiny"), []
+    states = registry(group)
     order = random.Random(3)
     with torch.inference_mode():
         for step in range(8):
@@ -109,8 +123,8 @@ def test_rows_of_the_tiny_model_in_engine_order_reproduce_the_transformers_backe
             apply_groups(logits, [Row(i, group[m], step) for i, m in enumerate(rows)], states)
             generated.append(forced_token(logits[0]))
     assert generated == reference.token_ids
-    assert states["tiny"].winners == [s.winner for s in reference.trace]
-    assert states["tiny"].betas() == pytest.approx(reference.betas, abs=1e-5)
+    assert state(states, "tiny").winners == [s.winner for s in reference.trace]
+    assert state(states, "tiny").betas() == pytest.approx(reference.betas, abs=1e-5)
 
 
 def params(member: GroupMember | None = None, **fields):
@@ -119,9 +133,9 @@ def params(member: GroupMember | None = None, **fields):
 
 
 def test_v1_processor_tracks_added_moved_and_removed_rows():
-    GROUPS.clear()
     group = members("v1")
-    processor = PCEDLogitsProcessor()
+    groups = registry(group)
+    processor = processor_class(groups, v2=False)()
     outputs = {m.member: [] for m in group}
     update = SimpleNamespace(removed=[], moved=[], added=[(i, params(m), [1, 2], outputs[m.member]) for i, m in
                                                            enumerate(group)] + [(4, params(), [1], [])])
@@ -136,24 +150,22 @@ def test_v1_processor_tracks_added_moved_and_removed_rows():
     for member in group:
         outputs[member.member].append(token)
     processor.update_state(SimpleNamespace(removed=[4, 1, 2, 3], added=[], moved=[]))
-    assert processor.rows == {} and GROUPS["v1"].tape == [token]
-    GROUPS.clear()
+    assert processor.rows == {} and state(groups, "v1").tape == [token]
 
 
 def test_v2_processor_maps_rows_to_slots_with_the_step_context():
-    GROUPS.clear()
     group = members("v2")
-    processor = PCEDLogitsProcessorV2(req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=[10, 12, 11, 9, 5])))
+    groups = registry(group)
+    processor = processor_class(groups, v2=True)(req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=np.array([10, 12, 11, 9, 5]))))
     assert [processor.add_request(slot, params(m)) for slot, m in zip((3, 0, 2, 1), group)] == [True] * 4
     assert processor.add_request(4, params()) is False
     logits = torch.randn(5, 20)
     foreign = logits[1].clone()
-    # rows -> slots; every PCED request is at its first generated token (pos = prompt_len - 1)
-    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 4, 3, 2, 1]), pos=torch.tensor([9, 4, 8, 10, 11]))
+    # rows -> slots on the host; every PCED request is at its first generated token (tokens seen = prompt_len)
+    ctx = SimpleNamespace(idx_mapping_np=np.array([0, 4, 3, 2, 1]), seq_lens_upper_bound_np=np.array([10, 5, 9, 11, 12]))
     processor.apply(logits, ctx)
     assert len({forced_token(logits[i]) for i in (0, 2, 3, 4)}) == 1 and torch.equal(logits[1], foreign)
-    assert GROUPS["v2"].complete == 1
-    GROUPS.clear()
+    assert state(groups, "v2").complete == 1
 
 
 def test_unsupported_requests_are_refused():

@@ -16,7 +16,7 @@ detokenization, the trace, timings, is done here once, for every method.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -64,15 +64,24 @@ def check_finite(logits: torch.Tensor, scoring: "Scoring") -> None:
     raise DecodingError(f"non-finite logits from {names}: a stored KV cache is damaged (run pced verify STORE)")
 
 
+class Decision(NamedTuple):
+    """A token that a backend's rows chose themselves (inside a serving engine) and the expert that
+    won it: the loop takes it as it is, without scoring logits."""
+
+    token: int
+    winner: int
+
+
 class Rows(Protocol):
-    """Rows of a model with caches: the backend seam of the loop."""
+    """Rows of a model with caches: the backend seam of the loop. ``prefill`` and ``advance`` return
+    the next-token logits ``[R, V]``, or a ``Decision`` where the backend decides the token itself."""
 
     timings: dict[str, float]  # e.g. cache_load_s, suffix_forward_s
     stats: dict
 
-    def prefill(self) -> torch.Tensor: ...
+    def prefill(self) -> torch.Tensor | Decision: ...
 
-    def advance(self, token: int) -> torch.Tensor: ...
+    def advance(self, token: int) -> torch.Tensor | Decision: ...
 
     # Optional ``close()``: called once the loop ends (finished, stopped early or abandoned), for
     # rows that hold engine resources (the vLLM backend's running requests).
@@ -193,13 +202,16 @@ class Generation:
         self.check_deadline()
         logits = self.rows.prefill()
         for index in range(self.sampling.max_new_tokens):
-            check_finite(logits, self.scoring)
-            self.last_logits = logits
-            scores, winner_of = self.scoring.scores(logits)
-            if self.sampling.no_repeat_ngram:  # after the rule: the winner still comes from the unbanned scores
-                scores = ban_repeated_ngrams(scores, self.tracker.ids, self.sampling.no_repeat_ngram)
-            token = pick_token(scores, self.sampling, generator)
-            winner = winner_of(token)
+            if isinstance(logits, Decision):
+                token, winner = logits
+            else:
+                check_finite(logits, self.scoring)
+                self.last_logits = logits
+                scores, winner_of = self.scoring.scores(logits)
+                if self.sampling.no_repeat_ngram:  # after the rule: the winner still comes from the unbanned scores
+                    scores = ban_repeated_ngrams(scores, self.tracker.ids, self.sampling.no_repeat_ngram)
+                token = pick_token(scores, self.sampling, generator)
+                winner = winner_of(token)
             if index == 0:
                 self.timings["ttft_s"] = time.perf_counter() - started
             piece = self.tracker.push(token)

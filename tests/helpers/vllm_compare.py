@@ -14,7 +14,9 @@ from pced.store import DocumentStore
 
 store_dir, questions_file, settings_json = sys.argv[1:4]
 store = DocumentStore.open(store_dir)
-settings = VLLMSettings(**json.loads(settings_json))
+# the engine computes in the transformers model's dtype (float32 here), so the two backends are the same
+# arithmetic and the betas agree to float32 rounding (the test's 1e-4)
+settings = VLLMSettings(**{"dtype": str(store.llm.dtype).removeprefix("torch."), **json.loads(settings_json)})
 engine = shared_engine(store.llm.path, settings)  # first: before retrieval imports its libraries
 print(json.dumps({"warm_up_tokens": engine.warm_up(store.generator.builder, [d.render() for d in store.documents])}),
       flush=True)
@@ -24,3 +26,6 @@ for question in json.loads(open(questions_file).read()):
     served = ask(store, question, AskOptions(**{**base.__dict__, "backend": "vllm"}))
     print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),
                       "vllm_stats": served.answer().stats}), flush=True)
+engine.close()  # the engine's thread ends and it leaves the shared table
+print(json.dumps({"closed": not engine.loop._thread.is_alive() and engine.loop.llm is None
+                  and shared_engine.__globals__["_ENGINES"] == {}}), flush=True)

@@ -15,7 +15,6 @@ exactly the keys and positions of ``prefix + document_k + suffix + generated``.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from ..errors import UserError
 from ..kv.buffer import BufferCache, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
+from .clock import synchronized_time
 
 
 class CachedRows:
@@ -68,7 +68,7 @@ class ExpertRows(CachedRows):
         The amateur's suffix may be shorter (no context separator): it is left-padded with masked
         slots so that every row's last suffix token sits in the same column.
         """
-        started = time.perf_counter()
+        started = synchronized_time(self.llm.device)
         device = self.llm.device
         caches = [load() for load in self.loaders]
         prefix_len = self.prefix.n_tokens
@@ -94,7 +94,7 @@ class ExpertRows(CachedRows):
             cache.value_buffer[:, row, :, end : prefix_len + longest] = 0
             valid[row, prefix_len:end] = True
         cache.set_length(prefix_len + longest)
-        self.timings["cache_load_s"] = time.perf_counter() - started
+        self.timings["cache_load_s"] = synchronized_time(self.llm.device) - started
         self.stats.update(experts=len(caches), context_tokens=sum(lengths), padded_slots=batch * longest - sum(lengths))
         suffixes = [self.amateur_suffix_ids] + [self.suffix_ids] * len(caches)
         ids = torch.zeros(batch, suffix_len, dtype=torch.long, device=device)
@@ -108,10 +108,10 @@ class ExpertRows(CachedRows):
         self.layout = (prefix_len, longest, suffix_len)
         # the amateur row holds no document: with any expert some slots are masked; without one, none are
         self.padded = longest > 0 or len(self.amateur_suffix_ids) < suffix_len
-        suffix_started = time.perf_counter()
+        suffix_started = synchronized_time(self.llm.device)
         logits = self.forward(ids, positions)
         # The floor of PCED's time to first token: one suffix forward for all k+1 rows.
-        self.timings["suffix_forward_s"] = time.perf_counter() - suffix_started
+        self.timings["suffix_forward_s"] = synchronized_time(self.llm.device) - suffix_started
         self.position = positions[:, -1] + 1
         return logits
 
@@ -183,14 +183,14 @@ class PlainRows(CachedRows):
         check_window(llm, method, "prompt", len(self.prompt_ids), max_new_tokens)
 
     def prefill(self) -> torch.Tensor:
-        started = time.perf_counter()
+        started = synchronized_time(self.llm.device)
         device = self.llm.device
         length = len(self.prompt_ids)
         self.cache = BufferCache.allocate(self.llm.model, 1, length + self.max_new_tokens)
         self.valid = torch.zeros(1, length + self.max_new_tokens, dtype=torch.bool, device=device)
         self.valid[:, :length] = True
         self.padded = False  # one prompt, every slot real: SDPA's causal path
-        self.timings["cache_load_s"] = time.perf_counter() - started
+        self.timings["cache_load_s"] = synchronized_time(self.llm.device) - started
         self.stats.update(context_tokens=length)
         ids = torch.tensor([self.prompt_ids], device=device)
         logits = self.forward(ids, torch.arange(length, device=device)[None])

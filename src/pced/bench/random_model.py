@@ -69,9 +69,16 @@ def random_model(spec: str, device: str | torch.device | None = None, dtype: str
     except TypeError as exc:
         raise UserError(f"--random-model {spec}: {exc}") from None
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(torch_dtype)
+    # Built on the meta device in the target dtype, then given storage once, in that dtype: an fp32
+    # build then a cast held 32 GB of fp32 weights (plus the copy) for an 8B model.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives tied weights separate storage
     generator = torch.Generator(device=device).manual_seed(seed)
     for param in model.parameters():

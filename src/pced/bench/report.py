@@ -77,7 +77,13 @@ def markdown_report(results: dict) -> str:
 
 
 def plot(results: dict, root: Path) -> None:
-    import matplotlib
+    """bench.png beside the tables, where matplotlib is installed (a GPU machine may carry only the
+    bench's own dependencies: the tables are the results, the plot a view of them)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("pced: matplotlib is not installed: no bench.png (the tables hold every number)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -33,6 +33,7 @@ from ..prompts import RAG_TEMPLATE
 
 
 RESIDENT_GB = 1024.0  # "keep everything": the bench's documents always fit a device that can run them
+PAGE_CACHE = CacheTiers(gpu_cache_gb=0)  # no device pool: every answer reads its caches from the host
 
 
 def evict_from_page_cache(paths: list[Path]) -> None:
@@ -59,7 +60,7 @@ def _run(generation) -> dict:
 
 
 def bench_generator(llm: LoadedModel, root: Path, doc_tokens: int, storage_dtype: str,
-                 tiers: CacheTiers = CacheTiers()) -> Generator:
+                    tiers: CacheTiers = PAGE_CACHE) -> Generator:
     """The generator over the bench's KV store for documents of ``doc_tokens`` tokens (RAG template)."""
     return Generator(llm, RAG_TEMPLATE, root / f"kv-L{doc_tokens}-{storage_dtype}", storage_dtype, tiers)
 
@@ -213,7 +214,7 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
             import shutil
 
             shutil.rmtree(folder)
-        generator = Generator(llm, RAG_TEMPLATE, folder, dtype)
+        generator = Generator(llm, RAG_TEMPLATE, folder, dtype, PAGE_CACHE)
         store = generator.caches
         store.prefix()
         started = time.perf_counter()

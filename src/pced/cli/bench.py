@@ -90,10 +90,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         llm = load_model(args.model, device="cpu" if args.model is None else None,
                          dtype="float32" if args.model is None else "auto")
     if args.backend == "vllm":
+        from dataclasses import replace
+
         try:
             settings = vllm_settings_from(args)
         except UserError as exc:
             raise InputError(str(exc)) from None
+        if settings.dtype is None:  # both backends in one dtype, so their answers compare token for token
+            settings = replace(settings, dtype=str(llm.dtype).removeprefix("torch."))
         from ..backends.vllm.engine import shared_engine
         from ..bench.vllm import run_vllm_bench
 

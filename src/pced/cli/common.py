@@ -36,7 +36,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--gpu-cache-gb", type=float, default=TIERS.gpu_cache_gb,
                        help="keep this many GiB of document caches on the model's device between questions (LRU; "
-                            f"default {TIERS.gpu_cache_gb:g}: none; on a CPU model the copies are kept in RAM)")
+                            f"default: {TIERS.cuda_free_share:g} of the free GPU memory on CUDA, none on a CPU; "
+                            "0: none; on a CPU model the copies are kept in RAM)")
 
 
 def tiers_from(args: argparse.Namespace) -> CacheTiers:
@@ -101,12 +102,23 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument("--backend", choices=BACKENDS, default=AskOptions.backend,
                        help="transformers (default) or vllm (pced only, greedy; needs pip install 'pced[vllm]')")
+    cpu, cuda = VLLMSettings.PLATFORM["cpu"], VLLMSettings.PLATFORM["cuda"]
     group.add_argument("--gpu-memory-utilization", type=float, default=VLLM.gpu_memory_utilization,
-                       help=f"vllm: memory share for its KV cache (CPU build: RAM; default {VLLM.gpu_memory_utilization})")
+                       help="vllm: memory share for weights and KV cache (CPU build: RAM for the KV; default "
+                            f"{cpu['gpu_memory_utilization']} on a CPU, {cuda['gpu_memory_utilization']} on CUDA)")
+    group.add_argument("--vllm-dtype", default=VLLM.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+                       help=f"vllm: the engine's dtype (default {cpu['dtype']} on a CPU, {cuda['dtype']}: the model's own, on CUDA)")
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=VLLM.enforce_eager,
+                       help=f"vllm: no CUDA graphs or compilation (default {cpu['enforce_eager']} on a CPU, "
+                            f"{cuda['enforce_eager']} on CUDA)")
+    group.add_argument("--max-model-len", type=int, default=VLLM.max_model_len,
+                       help=f"vllm: the longest sequence (default: the model's window; on CUDA at most {cuda['max_model_len']})")
+    group.add_argument("--max-num-batched-tokens", type=int, default=VLLM.max_num_batched_tokens,
+                       help="vllm: tokens one engine step may prefill (default: max-model-len on CUDA, vLLM's own on a CPU)")
     group.add_argument("--max-num-seqs", type=int, default=VLLM.max_num_seqs,
                        help=f"vllm: requests scheduled at once (a question is N+1; default {VLLM.max_num_seqs})")
     group.add_argument("--tensor-parallel-size", type=int, default=VLLM.tensor_parallel_size,
-                       help="vllm: GPUs one model is split over (untested here: this project's CI has no GPU)")
+                       help="vllm: GPUs one model is split over (only 1: the trace cannot come back from other processes)")
     group.add_argument("--kv-transfer-config", default=VLLM.kv_transfer_config, metavar="FILE",
                        help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
                             "to keep document KV beyond GPU memory and restarts")
@@ -116,8 +128,13 @@ def vllm_settings_from(args: argparse.Namespace) -> VLLMSettings:
     """The engine settings of --backend vllm's options (the defaults where a subcommand has none)."""
     if not hasattr(args, "backend"):
         return VLLM
-    return VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                        tensor_parallel_size=args.tensor_parallel_size, kv_transfer_config=args.kv_transfer_config)
+    try:
+        return VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                            tensor_parallel_size=args.tensor_parallel_size, kv_transfer_config=args.kv_transfer_config,
+                            dtype=args.vllm_dtype, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def ask_options_from(args: argparse.Namespace) -> AskOptions:

@@ -22,7 +22,7 @@ def add_serve_parser(sub) -> None:
                         "$PCED_API_KEY if set; without a key only requests naming this server's address are answered)")
     add_model_options(p)
     add_backend_options(p)
-    from ..server.schemas import Limits
+    from ..server.limits import Limits
 
     defaults = Limits()
     limits = p.add_argument_group("limits")

@@ -48,7 +48,7 @@ class EvalConfig:
     bge_m3: str | None = None
     reranker: str | None = None
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
-    gpu_cache_gb: float = CacheTiers.gpu_cache_gb  # document caches kept on the device between questions
+    gpu_cache_gb: float | None = CacheTiers.gpu_cache_gb  # document caches kept on the device between questions (None: by device)
     max_doc_tokens: int = IndexSettings.max_doc_tokens
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers

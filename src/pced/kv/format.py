@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -75,11 +77,39 @@ def tensor_checksum(tensors: list[torch.Tensor]) -> str:
     return f"crc32:{crc:08x}"
 
 
+class VerifiedFiles:
+    """The cache files whose checksum this process has matched (or written), by path and the file's
+    identity on disk (inode, size, modification time): a file replaced or rewritten is checked again.
+    A load then verifies each file at most once per process instead of on every question."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(path: Path) -> tuple:
+        stat = os.stat(path)
+        return (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+    def __contains__(self, path: Path) -> bool:
+        with self._lock:
+            return self.key(path) in self._seen
+
+    def add(self, path: Path) -> None:
+        key = self.key(path)
+        with self._lock:
+            self._seen.add(key)
+
+
+VERIFIED = VerifiedFiles()  # facts about files, shared by every store of this process
+
+
 def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: int | None = None,
-                     verify: bool = True) -> tuple[DocKV, dict[str, str]]:
+                     verify: bool | str = True) -> tuple[DocKV, dict[str, str]]:
     """A stored cache, memory-mapped, after every check that needs no model: readable, built for
-    ``identity``, holding the document ``digest`` with the tokens its metadata says, and (``verify``)
-    bytes matching its checksum; with its metadata. Any failure is a one-line ``CacheError`` naming the file."""
+    ``identity``, holding the document ``digest`` with the tokens its metadata says, and bytes
+    matching its checksum (``verify``: True every time, "once" once per file per process, False
+    never); with its metadata. Any failure is a one-line ``CacheError`` naming the file."""
     fix = "remove it (pced verify STORE --remove) and re-index"
     try:
         meta, tensors = mmap_safetensors(path)
@@ -102,8 +132,10 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
             or tuple(kv.key_scale.shape) != (layers, heads, 1, head_dim)
             or tuple(kv.value_scale.shape) != (layers, heads, tokens, 1))):
         raise CacheError(f"cache file {path} does not have the tensors of a {identity.get('storage_dtype')} cache; {fix}")
-    if verify and "checksum" in meta and tensor_checksum(list(kv.tensors().values())) != meta["checksum"]:
-        raise CacheError(f"cache file {path} is damaged: its bytes do not match its checksum; {fix}")
+    if verify and "checksum" in meta and not (verify == "once" and path in VERIFIED):
+        if tensor_checksum(list(kv.tensors().values())) != meta["checksum"]:
+            raise CacheError(f"cache file {path} is damaged: its bytes do not match its checksum; {fix}")
+        VERIFIED.add(path)
     return kv, meta
 
 

@@ -14,6 +14,7 @@ smaller bytes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -119,8 +120,13 @@ class PinnedStaging:
         self.events: list = [None, None]
         self.turn = 0
         self.bytes_copied = 0
+        self._lock = threading.Lock()  # one staging is shared by the store's prefix and its pool's loads
 
     def copy(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            return self._copy(tensor, device)
+
+    def _copy(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         turn, self.turn = self.turn, 1 - self.turn
         if self.events[turn] is not None:
             self.events[turn].synchronize()  # the copy that last read this buffer has finished

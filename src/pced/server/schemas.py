@@ -18,38 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import UserError
 from ..sampling import MIN_TOP_P, TEMPERATURE, SamplingConfig
 from ..documents import Candidate, Document
-from ..options import (MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, METHODS, RETRIEVERS, AskOptions, QuestionError,
+from ..options import (METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+from .limits import Limits
 
 SAMPLING = SamplingConfig()
 MAX_TEMPERATURE = 2.0  # OpenAI's range
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for; every violation is a 4xx."""
-
-    max_body_bytes: int = 1_000_000
-    max_question_chars: int = MAX_QUESTION_CHARS
-    max_documents: int = 64
-    max_document_chars: int = 20_000
-    max_top_k: int = MAX_TOP_K
-    max_top_n: int = MAX_TOP_N
-    max_tokens: int = 1024
-    default_max_tokens: int = SAMPLING.max_new_tokens
-    max_stop: int = 4
-    max_stop_chars: int = 64
-    max_queue: int = 64
-    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
-    request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.request_timeout_s <= 0:
-            raise UserError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
 
 
 def form_defaults(limits: Limits) -> dict:

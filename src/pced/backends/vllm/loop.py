@@ -49,8 +49,12 @@ class EngineLoop:
     def abort(self, request_ids: Sequence[str]) -> None:
         self._commands.put(("abort", list(request_ids), None))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """End the thread after the step in progress; live requests get an ``EngineError``, and the
+        engine is released with the thread."""
         self._commands.put(("close", None, None))
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self, build) -> None:
         try:
@@ -72,6 +76,7 @@ class EngineLoop:
                         break
                     block = False
                     if kind == "close":
+                        self._stop(EngineError("the vLLM engine was closed"))
                         return
                     if kind == "abort":
                         live = [r for r in payload if self._sinks.pop(r, None) is not None]
@@ -88,10 +93,17 @@ class EngineLoop:
                             sink(output)
         except BaseException as exc:
             log.exception("the vLLM engine failed")
-            self._failed = exc
-            for sink in set(self._sinks.values()):
-                sink(EngineError(f"the vLLM engine failed: {exc}"))
-            self._sinks.clear()
+            self._stop(EngineError(f"the vLLM engine failed: {exc}"))
+
+    def _stop(self, error: EngineError) -> None:
+        self._failed = error
+        for sink in set(self._sinks.values()):
+            sink(error)
+        self._sinks.clear()
+        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if shutdown is not None and hasattr(shutdown, "shutdown"):
+            shutdown.shutdown()
+        self.llm = None
 
     def _add(self, engine, requests, sink: Sink) -> None:
         from vllm.inputs import TokensPrompt

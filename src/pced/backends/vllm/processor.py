@@ -4,22 +4,22 @@ Two adapters over the same ``apply_groups``, one per model-runner interface of v
 
 - ``PCEDLogitsProcessor``: the V1 runner (the CPU build): ``update_state(BatchUpdate)`` tracks
   which batch row holds which group member (added / removed / moved), ``apply(logits)`` decides.
-- ``PCEDLogitsProcessorV2``: Model Runner V2 (the GPU default): ``add_request(slot, params)``
-  records a slot's member, ``apply(logits, ctx)`` maps rows to slots with ``ctx``.
+- ``PCEDLogitsProcessorV2``: Model Runner V2 (the GPU default where Triton is present):
+  ``add_request(slot, params)`` records a slot's member, ``apply(logits, ctx)`` maps rows to slots
+  with the step's host-side arrays (``ctx.idx_mapping_np``, ``ctx.seq_lens_upper_bound_np``), so the
+  step reads nothing back from the device but the rule's choice.
 
-Pass the class explicitly (``LLM(..., logits_processors=[PCEDLogitsProcessor])``), never as an
-entry point. Requests without ``extra_args["pced"]`` are left untouched. Group states live in
-``GROUPS`` of this process (the engine must run in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-for the caller to read the trace); the caller removes a group's state when it has read it.
+vLLM builds the processors itself from classes; ``processor_class(groups, v2)`` makes the class
+for one engine, bound to that engine's ``GroupRegistry`` (no process-wide state): the engine asks
+vLLM which runner it will use and passes that class. Requests without ``extra_args["pced"]`` are
+left untouched, and so are the rows of groups that are not open.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .groups import GroupMember, GroupState, Row, apply_groups
-
-GROUPS: dict[str, GroupState] = {}
+from .groups import GroupMember, GroupRegistry, Row, apply_groups
 
 try:  # the base classes only exist where vLLM is installed; the logic below needs none of them
     from vllm.v1.sample.logits_processor import LogitsProcessor as _V1Base
@@ -46,12 +46,18 @@ def check_params(sampling_params) -> GroupMember | None:
     return member
 
 
+def check_config(vllm_config) -> None:
+    if vllm_config is not None and getattr(vllm_config, "speculative_config", None):
+        raise ValueError("pced is refused with speculative decoding: drafted tokens bypass the group decision")
+
+
 class PCEDLogitsProcessor(_V1Base):
-    """vLLM V1 runner interface."""
+    """vLLM V1 runner interface (``groups``: the engine's registry, set by ``processor_class``)."""
+
+    groups: GroupRegistry
 
     def __init__(self, vllm_config=None, device=None, is_pin_memory: bool = False):
-        if vllm_config is not None and getattr(vllm_config, "speculative_config", None):
-            raise ValueError("pced is refused with speculative decoding: drafted tokens bypass the group decision")
+        check_config(vllm_config)
         self.rows: dict[int, tuple[GroupMember, list[int]]] = {}  # batch index -> (member, its output token ids)
 
     @classmethod
@@ -83,14 +89,18 @@ class PCEDLogitsProcessor(_V1Base):
         if not self.rows:
             return logits
         rows = [Row(index, member, len(output)) for index, (member, output) in self.rows.items()]
-        return apply_groups(logits, rows, GROUPS)
+        return apply_groups(logits, rows, self.groups)
 
 
 class PCEDLogitsProcessorV2(_V2Base):
-    """Model Runner V2 interface: per-slot state, rows mapped to slots by the step's context."""
+    """Model Runner V2 interface: per-slot state, rows mapped to slots by the step's context.
+    Speculative decoding is refused, so a row is a request: row i = batch position i."""
+
+    groups: GroupRegistry
 
     def __init__(self, vllm_config=None, req_states=None):
-        self.req_states = req_states
+        check_config(vllm_config)
+        self.prompt_len = req_states.prompt_len.np  # host copy of every slot's prompt length (vLLM keeps it)
         self.slots: dict[int, GroupMember] = {}
 
     @classmethod
@@ -108,9 +118,17 @@ class PCEDLogitsProcessorV2(_V2Base):
     def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
         if not self.slots:
             return logits
-        slots = ctx.expanded_idx_mapping.tolist()
-        positions = ctx.pos.tolist()  # a row's position = tokens so far - 1
-        prompt_len = self.req_states.prompt_len.np
-        rows = [Row(index, self.slots[slot], positions[index] + 1 - int(prompt_len[slot]))
+        # host arrays: batch position -> slot, and tokens visible to the token sampled now (exact
+        # without speculative decoding) = prompt + generated; nothing here reads the device
+        slots, seen = ctx.idx_mapping_np.tolist(), ctx.seq_lens_upper_bound_np.tolist()
+        rows = [Row(index, self.slots[slot], int(seen[index]) - int(self.prompt_len[slot]))
                 for index, slot in enumerate(slots) if slot in self.slots]
-        return apply_groups(logits, rows, GROUPS) if rows else logits
+        rows = [row for row in rows if row.generated >= 0]  # a prompt still prefilling has no next token yet
+        return apply_groups(logits, rows, self.groups) if rows else logits
+
+
+def processor_class(groups: GroupRegistry, v2: bool) -> type:
+    """The logits-processor class to hand one engine's ``LLM(logits_processors=[...])``: the V2
+    interface when vLLM will run Model Runner V2, bound to the engine's group registry."""
+    base = PCEDLogitsProcessorV2 if v2 else PCEDLogitsProcessor
+    return type(base.__name__, (base,), {"groups": groups, "__module__": base.__module__})

@@ -1,0 +1,40 @@
+"""The server's request limits (plain data: the command line reads their defaults without loading
+the web framework)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+from ..options import MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N
+from ..sampling import SamplingConfig
+
+SAMPLING = SamplingConfig()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; every violation is a 4xx."""
+
+    max_body_bytes: int = 1_000_000
+    max_question_chars: int = MAX_QUESTION_CHARS
+    max_documents: int = 64
+    max_document_chars: int = 20_000
+    max_top_k: int = MAX_TOP_K
+    max_top_n: int = MAX_TOP_N
+    max_tokens: int = 1024
+    default_max_tokens: int = SAMPLING.max_new_tokens
+    max_stop: int = 4
+    max_stop_chars: int = 64
+    max_queue: int = 64
+    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
+    request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.request_timeout_s <= 0:
+            raise UserError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")

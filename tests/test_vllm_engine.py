@@ -1,0 +1,64 @@
+"""How pced starts a vLLM engine: settings by platform, every one settable from the command line,
+tensor parallelism refused before any engine starts, and the processor class picked by asking vLLM's
+own engine configuration which model runner it will use."""
+
+import argparse
+import importlib.util
+
+import pytest
+
+from pced.cli.common import InputError, add_backend_options, vllm_settings_from
+from pced.options import VLLMSettings
+
+
+def parse(*argv: str) -> VLLMSettings:
+    parser = argparse.ArgumentParser()
+    add_backend_options(parser)
+    return vllm_settings_from(parser.parse_args(list(argv)))
+
+
+def test_platform_defaults_fill_only_what_is_left_unset():
+    cuda, cpu = VLLMSettings().for_platform(cuda=True), VLLMSettings().for_platform(cuda=False)
+    assert (cuda.dtype, cuda.enforce_eager, cuda.max_model_len) == ("auto", False, 16384) and cuda.gpu_memory_utilization > 0.5
+    assert (cpu.dtype, cpu.enforce_eager, cpu.max_model_len, cpu.gpu_memory_utilization) == ("float32", True, None, 0.3)
+    mine = VLLMSettings(dtype="float16", enforce_eager=True, gpu_memory_utilization=0.5).for_platform(cuda=True)
+    assert (mine.dtype, mine.enforce_eager, mine.gpu_memory_utilization) == ("float16", True, 0.5)
+
+
+def test_every_engine_setting_comes_from_the_command_line():
+    assert parse() == VLLMSettings()
+    got = parse("--vllm-dtype", "bfloat16", "--no-enforce-eager", "--max-model-len", "4096", "--max-num-batched-tokens",
+                "8192", "--gpu-memory-utilization", "0.7", "--max-num-seqs", "64")
+    assert got == VLLMSettings(dtype="bfloat16", enforce_eager=False, max_model_len=4096, max_num_batched_tokens=8192,
+                               gpu_memory_utilization=0.7, max_num_seqs=64)
+    assert parse("--enforce-eager").enforce_eager is True
+
+
+def test_tensor_parallelism_is_refused_before_any_engine_starts_with_the_reason():
+    with pytest.raises(InputError, match="other processes.*trace"):
+        parse("--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="tensor-parallel-size > 1 is refused"):
+        VLLMSettings(tensor_parallel_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_runner_is_asked_of_vllm_and_cuda_caps_the_window_and_the_prefill_budget(tiny_model_dir, monkeypatch):
+    """On this CPU vLLM picks the V1 runner (no Triton: config/vllm.py:724-728); the plan says so, from
+    the configuration vLLM builds. As CUDA would resolve it: the model's dtype, CUDA graphs, and the
+    window capped at the model's own (2048 here, under the 16k cap), which bounds the prefill budget."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from pced.backends.vllm.engine import engine_plan
+
+    args, v2 = engine_plan(str(tiny_model_dir), VLLMSettings())
+    assert v2 is False and v2 == EngineArgs(**args).create_engine_config().use_v2_model_runner
+    assert (args["dtype"], args["enforce_eager"], args["gpu_memory_utilization"]) == ("float32", True, 0.3)
+    assert "max_model_len" not in args and "max_num_batched_tokens" not in args
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    args, _ = engine_plan(str(tiny_model_dir), VLLMSettings())
+    assert (args["dtype"], args["enforce_eager"]) == ("auto", False)
+    assert args["max_model_len"] == 2048 and args["max_num_batched_tokens"] == 2048
+    args, _ = engine_plan(str(tiny_model_dir), VLLMSettings(max_model_len=1024, max_num_batched_tokens=1536))
+    assert args["max_model_len"] == 1024 and args["max_num_batched_tokens"] == 1536

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import use_pced_attention
+
 
 class BufferLayer(CacheLayerMixin):
     """One layer's keys/values [B, H, capacity, D]; ``update`` writes at the cursor, never concatenates."""
@@ -104,6 +106,7 @@ def forward_slots(
     ``padded`` says whether any slot up to the new ones is padding, when the caller knows (rows
     do): None reads it from ``valid``, a device-to-host sync that a GPU decode step should not pay.
     """
+    use_pced_attention(model)  # masked GQA without the math kernel on CUDA (see kv/attention.py)
     start, query_length = cache.length, input_ids.shape[1]
     if padded is None:
         padded = not bool(valid[:, : start + query_length].all())

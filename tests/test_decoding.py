@@ -119,3 +119,61 @@ def test_split_characters_are_held_back_until_complete(tiny_llm):
     pieces = [tracker.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + tracker.flush() == "日本語のテキスト 𝔘𝔫𝔦"
+
+
+# --------------------------------------------------------------------------- one host read per step
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe", "poe"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_one_host_read_per_step(setup, aggregation, sampled):
+    """Token, winner, finiteness and support leave the device in one read per step, for every
+    aggregation, greedy or sampled (top-k, top-p, a seed) with the n-gram ban (before: 5 greedy, 6
+    sampled: the finiteness check, the argmax, the winner's nonzero and int, the support's tolist,
+    the distribution copied to the host for the draw)."""
+    from helpers.host_reads import reads_per_step
+
+    llm, builder, prefix, caches = setup
+    sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+    if sampled:
+        sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9, seed=1,
+                                  no_repeat_ngram=2)
+    generation = PCEDGeneration(llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION),
+                                builder.suffix_ids(QUESTION, False), RuleConfig(aggregation=aggregation), sampling)
+    per_step = reads_per_step(generation)
+    assert len(per_step) == 5 and all(events == ["tolist"] for events in per_step), per_step
+    assert all(len(step.support) == 3 for step in generation.trace)
+
+
+def test_one_host_read_per_step_of_a_plain_answer(setup):
+    from helpers.host_reads import reads_per_step
+    from pced.methods.concat import PlainGeneration
+
+    llm, builder, _, _ = setup
+    generation = PlainGeneration(llm, builder.prompt_ids(DOCS[:1], QUESTION), SamplingConfig(max_new_tokens=5, ignore_eos=True))
+    assert reads_per_step(generation) == [["tolist"]] * 4
+
+
+def test_the_draw_is_torch_multinomial_on_the_same_generator():
+    """pick_token's exponential draw gives torch.multinomial's tokens for the same seed (one sample)."""
+    from pced.decoding import pick_token
+
+    sampling = SamplingConfig(temperature=0.7)
+    for seed in range(100):
+        scores = torch.randn(300, generator=torch.Generator().manual_seed(1000 + seed)) * 3
+        probs = torch.softmax(scores / 0.7, dim=-1)
+        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        assert int(pick_token(scores, sampling, torch.Generator().manual_seed(seed))) == expected
+
+
+def test_a_damaged_row_is_named_from_the_steps_one_read(setup):
+    from pced.decoding import DecodingError
+
+    llm, builder, prefix, caches = setup
+    broken = type(caches[1])(keys=caches[1].keys.clone(), values=caches[1].values.clone())
+    broken.values[0, :, 2] = float("nan")
+    experts = experts_for([caches[0], broken])
+    generation = PCEDGeneration(llm, prefix, experts, builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+                                RuleConfig(), SamplingConfig(max_new_tokens=4))
+    with pytest.raises(DecodingError, match="'d1'"):
+        generation.answer()

@@ -12,7 +12,7 @@ import torch
 
 from pced.sampling import SamplingConfig
 from pced.cli import main
-from pced.decoding import Generation, PlainScoring, ban_repeated_ngrams
+from pced.decoding import Generation, PlainScoring, Rows, ban_repeated_ngrams
 from pced.defaults import resolve_rule
 from pced.evaluation.config import EvalConfig, EvalError, build_grid, validate
 from pced.evaluation.report import format_table
@@ -247,7 +247,7 @@ def test_pced_generation_with_the_ban_never_repeats_an_ngram(setup):
         assert step.winner == max(range(len(step.support)), key=lambda k: (step.support[k], -k))
 
 
-class CyclingRows:
+class CyclingRows(Rows):
     """A stand-in model of one row that always prefers the next token of a 4-token cycle."""
 
     def __init__(self, ids: list[int], vocab: int):

@@ -20,12 +20,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..decoding import Rows
 from ..kv.buffer import BufferCache, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
 
 
-class CachedRows:
+class CachedRows(Rows):
     """A buffer cache, its valid-slot mask and each row's next position; ``advance`` feeds one token."""
 
     def __init__(self, llm: LoadedModel):

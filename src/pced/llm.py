@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from .offline import force_offline
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+DECODE_STEPS = ("eager", "static", "compiled")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -38,6 +39,15 @@ class LoadedModel:
     path: str
     fingerprint: str
     tokenizer_hash: str
+    # The decode step (docs/attention.md): "eager" writes at a growing cursor and attends over the
+    # slots used so far; "static" writes at a device position and attends over the whole capacity
+    # (fixed shapes); "compiled" is the static step under torch.compile (CUDA: CUDA graphs).
+    decode_step: str = "eager"
+    compiled_step: object = field(default=None, repr=False)  # the compiled function, built on first use
+
+    def __post_init__(self) -> None:
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
 
     @property
     def device(self) -> torch.device:

@@ -75,6 +75,10 @@ def pced_attention_forward(
         if q_len == 1 or q_len == kv_len or not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                           is_causal=is_causal, **kwargs)
+        if groups > 1 and repeats_keys_for_mask(query.device) and query.dtype not in (torch.float16, torch.bfloat16):
+            # flash (the only CUDA kernel with GQA) takes half precision only; memory-efficient takes
+            # the lower-right bias in float32 with equal heads (torch/nn/attention/bias.py)
+            key, value, groups = _repeat_kv(key, groups), _repeat_kv(value, groups), 1
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len),
                                              scale=scaling, enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None

@@ -9,8 +9,10 @@ The loop knows two narrow things, both protocols here, so that methods and backe
 - ``Scoring``: from ``[R, V]`` logits to vocabulary scores and the row that won a token: the PCED
   rule (``ContrastiveScoring``) or plain next-token scores of one row (``PlainScoring``).
 
-Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the no-repeat n-gram ban,
-detokenization, the trace, timings, is done here once, for every method.
+Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the logits processors (the
+no-repeat n-gram ban), detokenization, the trace, timings, is done here once, for every method.
+Each step runs on the logits' device and reads back one small tensor (token, winner, finiteness,
+support): one device-to-host transfer per token.
 """
 
 from __future__ import annotations
@@ -30,13 +32,9 @@ class DecodingError(RuntimeError):
     """The model produced something the rule cannot use (non-finite logits: a damaged cache)."""
 
 
-def check_finite(logits: torch.Tensor, scoring: "Scoring") -> None:
-    """Stop before NaN or infinite logits reach the rule; name the rows (documents) that made them."""
-    raise_if_not_finite(torch.isfinite(logits).all(dim=-1).tolist(), scoring)
-
-
 def raise_if_not_finite(rows: Sequence[bool], scoring: "Scoring") -> None:
-    """``rows``: whether each row's logits were all finite (read back with the step's token)."""
+    """Stop before NaN or infinite logits decide a token; name the rows (documents) that made them.
+    ``rows``: whether each row's logits were all finite (read back with the step's token)."""
     if all(rows):
         return
     if len(rows) == 1:

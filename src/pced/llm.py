@@ -164,8 +164,10 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = "auto",
     attn_implementation: str = "sdpa",
+    decode_step: str | None = None,
 ) -> LoadedModel:
-    """Load a local causal LM directory (offline), or the embedded default when ``path`` is None."""
+    """Load a local causal LM directory (offline), or the embedded default when ``path`` is None.
+    ``decode_step``: eager, static or compiled (None: ``LoadedModel``'s default)."""
     force_offline()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -198,4 +200,5 @@ def load_model(
         path=str(folder),
         fingerprint=model_fingerprint(folder, config),
         tokenizer_hash=tokenizer_hash(tokenizer),
+        **({} if decode_step is None else {"decode_step": decode_step}),
     )

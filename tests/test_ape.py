@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from pced.kv.attention import PCED_ATTENTION
 from pced.backends.ape_attention import APE_ATTENTION, ape_attention_forward, ape_merged_attention, check_ape_support
 from pced.methods.ape import APEGeneration, ape_from_store
 from pced.methods.concat import PlainGeneration
@@ -118,7 +119,8 @@ def test_single_document_at_T1_S1_is_concatenation(setup):
         assert answer.method == "ape" and all(step.doc_id is None for step in answer.trace)
         assert set(answer.timings) == {"cache_load_s", "ttft_s", "total_s"}
         assert answer.betas == [] and not answer.amateur_only
-    assert llm.model.config._attn_implementation == "sdpa"  # switched back after every APE forward
+    # switched back after every APE forward, to pced's SDPA function (which the first forward selected)
+    assert llm.model.config._attn_implementation == PCED_ATTENTION
 
 
 @pytest.mark.slow

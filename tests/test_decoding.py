@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from pced.decoding import Generation, PlainScoring, ban_repeated_ngrams
+from pced.decoding import Generation, PlainScoring, Rows, ban_repeated_ngrams
 from pced.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration, generate
 from pced.rule import AMATEUR, RuleConfig
@@ -149,7 +149,7 @@ def test_ban_sets_exactly_the_completing_tokens_to_minus_inf():
         assert {int(i) for i in torch.nonzero(torch.isinf(out)).flatten()} == banned_by_hand(generated, n)
 
 
-class CyclingRows:
+class CyclingRows(Rows):
     """A stand-in model of one row that always prefers the next token of a 4-token cycle."""
 
     def __init__(self, ids: list[int], vocab: int):
@@ -178,6 +178,8 @@ def test_the_ban_applies_to_plain_scoring_too(tiny_llm):
     assert run(0) == [ids[0], ids[1], ids[2], ids[3]] * 3 and repeats(run(0), 3) == 6
     assert repeats(run(3), 3) == -1 and run(3)[:6] == run(0)[:6] and run(3)[6] != run(0)[6]
     assert repeats(run(2), 2) == -1 and run(2)[:5] == run(0)[:5]
+
+
 def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_are(tiny_llm):
     """A serving engine's rows (vLLM's) choose each token inside the engine: the loop streams,
     detokenizes, stops at EOS and traces exactly the tokens and winners they hand it, and never asks
@@ -193,7 +195,7 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
     rule = RuleConfig(beta="dynamic", gamma=2.5)
     state = GroupState.start(GroupMember("g", 0, (0.9, 0.5), rule))
 
-    class DecidedRows:
+    class DecidedRows(Rows):
         timings, stats = {}, {}
 
         def __init__(self):
@@ -213,3 +215,59 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
     assert [s.winner for s in answer.trace] == winners
     assert [s.doc_id for s in answer.trace] == [None if w == AMATEUR else "ab"[w] for w in winners]
     assert answer.text == tiny_llm.tokenizer.decode(tokens)
+# --------------------------------------------------------------------------- one host read per step
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe", "poe"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_one_host_read_per_step(setup, aggregation, sampled):
+    """Token, winner, finiteness and support leave the device in one read per step, for every
+    aggregation, greedy or sampled (top-k, top-p, a seed) with the n-gram ban (before: 5 greedy, 6
+    sampled: the finiteness check, the argmax, the winner's nonzero and int, the support's tolist,
+    the distribution copied to the host for the draw)."""
+    from helpers.host_reads import reads_per_step
+
+    llm, builder, prefix, caches = setup
+    sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+    if sampled:
+        sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9, seed=1,
+                                  no_repeat_ngram=2)
+    generation = PCEDGeneration(llm, prefix, experts_for(caches), builder.suffix_ids(QUESTION),
+                                builder.suffix_ids(QUESTION, False), RuleConfig(aggregation=aggregation), sampling)
+    per_step = reads_per_step(generation)
+    assert len(per_step) == 5 and all(events == ["tolist"] for events in per_step), per_step
+    assert all(len(step.support) == 3 for step in generation.trace)
+
+
+def test_one_host_read_per_step_of_a_plain_answer(setup):
+    from helpers.host_reads import reads_per_step
+    from pced.methods.concat import PlainGeneration
+
+    llm, builder, _, _ = setup
+    generation = PlainGeneration(llm, builder.prompt_ids(DOCS[:1], QUESTION), SamplingConfig(max_new_tokens=5, ignore_eos=True))
+    assert reads_per_step(generation) == [["tolist"]] * 4
+
+
+def test_the_draw_is_torch_multinomial_on_the_same_generator():
+    """pick_token's exponential draw gives torch.multinomial's tokens for the same seed (one sample)."""
+    from pced.decoding import pick_token
+
+    sampling = SamplingConfig(temperature=0.7)
+    for seed in range(100):
+        scores = torch.randn(300, generator=torch.Generator().manual_seed(1000 + seed)) * 3
+        probs = torch.softmax(scores / 0.7, dim=-1)
+        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        assert int(pick_token(scores, sampling, torch.Generator().manual_seed(seed))) == expected
+
+
+def test_a_damaged_row_is_named_from_the_steps_one_read(setup):
+    from pced.decoding import DecodingError
+
+    llm, builder, prefix, caches = setup
+    broken = type(caches[1])(keys=caches[1].keys.clone(), values=caches[1].values.clone())
+    broken.values[0, :, 2] = float("nan")
+    experts = experts_for([caches[0], broken])
+    generation = PCEDGeneration(llm, prefix, experts, builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, False),
+                                RuleConfig(), SamplingConfig(max_new_tokens=4))
+    with pytest.raises(DecodingError, match="'d1'"):
+        generation.answer()

@@ -9,8 +9,10 @@ The loop knows two narrow things, both protocols here, so that methods and backe
 - ``Scoring``: from ``[R, V]`` logits to vocabulary scores and the row that won a token: the PCED
   rule (``ContrastiveScoring``) or plain next-token scores of one row (``PlainScoring``).
 
-Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the no-repeat n-gram ban,
-detokenization, the trace, timings, is done here once, for every method.
+Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the logits processors (the
+no-repeat n-gram ban), detokenization, the trace, timings, is done here once, for every method.
+Each step runs on the logits' device and reads back one small tensor (token, winner, finiteness,
+support): one device-to-host transfer per token.
 """
 
 from __future__ import annotations
@@ -51,12 +53,11 @@ class Deadline:
             raise TimeLimitError(f"stopped after the time limit of {self.seconds:g} s for one request")
 
 
-def check_finite(logits: torch.Tensor, scoring: "Scoring") -> None:
-    """Stop before NaN or infinite logits reach the rule; name the rows (documents) that made them."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    if bool(finite.all()):
+def raise_if_not_finite(rows: Sequence[bool], scoring: "Scoring") -> None:
+    """Stop before NaN or infinite logits decide a token; name the rows (documents) that made them.
+    ``rows``: whether each row's logits were all finite (read back with the step's token)."""
+    if all(rows):
         return
-    rows = finite.tolist()
     if len(rows) == 1:
         names = "the prompt"
     else:  # row 0 is the amateur, row k the expert of document k
@@ -83,16 +84,25 @@ class Rows(Protocol):
 
     def advance(self, token: int) -> torch.Tensor | Decision: ...
 
-    # Optional ``close()``: called once the loop ends (finished, stopped early or abandoned), for
-    # rows that hold engine resources (the vLLM backend's running requests).
+    def close(self) -> None:
+        """Optional: called once the loop ends (finished, stopped early or abandoned), for rows that
+        hold engine resources (the vLLM backend's running requests). Rows that subclass ``Rows``
+        inherit this no-op."""
 
 
 class Scoring(Protocol):
-    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, Callable[[int], int]]: ...
+    """From ``[R, V]`` logits to vocabulary scores and the row that won a token, on the logits' device:
+    ``scores`` returns scores [V] and ``winner_of(token)`` (token a 0-d tensor) a 0-d integer tensor
+    (or an int, for a backend that decided on the host); ``support(token)`` each expert's score of
+    the token, [N] (or a list). Nothing here reads the device: the loop reads once per step."""
+
+    rule_config: RuleConfig | None
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor | int]]: ...
 
     def doc_id(self, winner: int) -> str | None: ...
 
-    def support(self, token: int) -> list[float]: ...
+    def support(self, token: torch.Tensor) -> torch.Tensor | list[float]: ...
 
     def betas(self) -> list[float]: ...
 
@@ -108,7 +118,7 @@ class PlainScoring:
     def doc_id(self, winner: int) -> None:
         return None
 
-    def support(self, token: int) -> list[float]:
+    def support(self, token: torch.Tensor) -> list[float]:
         return []
 
     def betas(self) -> list[float]:
@@ -128,31 +138,51 @@ class ContrastiveScoring:
     def doc_id(self, winner: int) -> str | None:
         return None if winner == AMATEUR else self.doc_ids[winner]
 
-    def support(self, token: int) -> list[float]:
-        return self.rule.support(token)
+    def support(self, token: torch.Tensor) -> torch.Tensor:
+        return self.rule.support_at(token)
 
     def betas(self) -> list[float]:
         return self.rule.betas()
 
 
-def ban_repeated_ngrams(scores: torch.Tensor, generated: Sequence[int], n: int) -> torch.Tensor:
+# A logits processor (mlx-lm's shape): (the answer's tokens so far [T] on the scores' device,
+# scores [V]) -> scores [V]. The loop applies them in order, after the rule and before sampling.
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ban_repeated_ngrams(scores: torch.Tensor, generated: Sequence[int] | torch.Tensor, n: int) -> torch.Tensor:
     """``scores`` [V] with -inf for every token that would complete an n-gram already in
     ``generated`` (a new tensor; nothing else changes). ``generated`` is the answer's own tokens,
     not the prompt: the loop sees only those for every method (PCED's rows hold different prompts,
-    the baselines' one), and repeating a phrase of the question is legitimate. transformers'
-    ``NoRepeatNGramLogitsProcessor`` does the matching."""
+    the baselines' one), and repeating a phrase of the question is legitimate. On the device, with
+    no read back: every window of n tokens whose first n - 1 equal the last n - 1 bans its last."""
     if n <= 0 or len(generated) < n:
         return scores
-    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+    tokens = generated if isinstance(generated, torch.Tensor) else torch.tensor(list(generated), dtype=torch.long)
+    tokens = tokens.to(scores.device)
+    windows = tokens.unfold(0, n, 1)  # [T - n + 1, n]
+    match = (windows[:, : n - 1] == tokens[len(tokens) - n + 1 :]).all(dim=-1)
+    hit = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
+    hit.scatter_reduce_(0, windows[:, n - 1], match.float(), reduce="amax")
+    return scores.masked_fill(hit > 0, float("-inf"))
 
-    ids = torch.tensor([list(generated)], dtype=torch.long, device=scores.device)
-    return NoRepeatNGramLogitsProcessor(n)(ids, scores[None].clone())[0]
+
+def make_logits_processors(sampling: SamplingConfig) -> list[LogitsProcessor]:
+    """The processors a sampling configuration asks for (today: the no-repeat n-gram ban)."""
+    processors: list[LogitsProcessor] = []
+    if sampling.no_repeat_ngram:
+        n = sampling.no_repeat_ngram
+        processors.append(lambda tokens, scores: ban_repeated_ngrams(scores, tokens, n))
+    return processors
 
 
-def pick_token(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
-    """Greedy argmax (lowest id on ties), or a temperature / top-k / top-p draw."""
+def pick_token(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy argmax (lowest id on ties), or a temperature / top-k / top-p draw; a 0-d tensor on the
+    scores' device. The draw is ``argmax(p / E)``, E ~ Exponential(1): the fast path of
+    ``torch.multinomial`` for one sample (the same tokens for the same generator), without its
+    validity check, which reads the device."""
     if sampling.temperature <= 0:
-        return int(torch.argmax(scores))
+        return torch.argmax(scores)
     logits = scores.float() / sampling.temperature
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
@@ -163,7 +193,7 @@ def pick_token(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator))
 
 
 class Generation:
@@ -176,7 +206,8 @@ class Generation:
     def __init__(self, rows: Rows, scoring: Scoring, llm, sampling: SamplingConfig = SamplingConfig(),
                  method: str = "pced", amateur_only: bool = False):
         self.rows, self.scoring, self.sampling, self.method = rows, scoring, sampling, method
-        self.rule_config: RuleConfig | None = getattr(scoring, "rule_config", None)
+        self.rule_config: RuleConfig | None = scoring.rule_config
+        self.processors: list[LogitsProcessor] = make_logits_processors(sampling)
         self.amateur_only = amateur_only
         self.tracker = TextTracker.for_model(llm, sampling)
         self.trace: list[Step] = []
@@ -192,37 +223,54 @@ class Generation:
         try:
             yield from self._steps()
         finally:  # finished, stopped early or abandoned: rows that hold engine resources give them back
-            close = getattr(self.rows, "close", None)
-            if close is not None:
-                close()
+            self.rows.close()
+
+    def decide(self, logits: torch.Tensor, history: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """One step on the device: the rule, the processors, the draw. Returns one small float64
+        tensor [token, winner, finite per row (R), support per expert (N)], read back in one transfer."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        scores, winner_of = self.scoring.scores(logits)
+        for processor in self.processors:  # after the rule: the winner still comes from the unprocessed scores
+            scores = processor(history, scores)
+        token = pick_token(scores, self.sampling, generator)
+        winner, support = winner_of(token), self.scoring.support(token)
+        parts = [token.view(1), torch.as_tensor(winner, device=logits.device).view(1), finite,
+                 torch.as_tensor(support, dtype=torch.float64, device=logits.device).view(-1)]
+        return torch.cat([part.to(torch.float64) for part in parts])
 
     def _steps(self) -> Iterator[Step]:
         started = time.perf_counter()
-        generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
         self.check_deadline()
         logits = self.rows.prefill()
+        generator, history = None, None
         for index in range(self.sampling.max_new_tokens):
-            if isinstance(logits, Decision):
+            if isinstance(logits, Decision):  # the backend chose the token itself (vLLM)
                 token, winner = logits
+                support = self.scoring.support(token)
             else:
-                check_finite(logits, self.scoring)
+                if history is None:  # the draw and the n-gram history live on the logits' device
+                    device = logits.device
+                    if self.sampling.seed is not None:
+                        generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
+                    history = torch.zeros(self.sampling.max_new_tokens, dtype=torch.long, device=device)
                 self.last_logits = logits
-                scores, winner_of = self.scoring.scores(logits)
-                if self.sampling.no_repeat_ngram:  # after the rule: the winner still comes from the unbanned scores
-                    scores = ban_repeated_ngrams(scores, self.tracker.ids, self.sampling.no_repeat_ngram)
-                token = pick_token(scores, self.sampling, generator)
-                winner = winner_of(token)
+                packet = self.decide(logits, history[:index], generator).tolist()  # the step's one read
+                rows = logits.shape[0]
+                token, winner = int(packet[0]), int(packet[1])
+                raise_if_not_finite([bool(ok) for ok in packet[2 : 2 + rows]], self.scoring)
+                support = packet[2 + rows :]
             if index == 0:
                 self.timings["ttft_s"] = time.perf_counter() - started
             piece = self.tracker.push(token)
             if token in self.tracker.eos_ids:
                 break
-            step = Step(index, token, piece, winner, self.scoring.doc_id(winner), self.scoring.support(token),
-                        self.step_relevance())
+            step = Step(index, token, piece, winner, self.scoring.doc_id(winner), support, self.step_relevance())
             self.trace.append(step)
             yield step
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
                 break
+            if history is not None:
+                history[index] = token
             self.check_deadline()
             self.between_tokens()
             logits = self.rows.advance(token)

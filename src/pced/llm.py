@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from .fs import staging_dir, swap_directory
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+DECODE_STEPS = ("eager", "static", "compiled")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -38,6 +39,15 @@ class LoadedModel:
     path: str
     fingerprint: str
     tokenizer_hash: str
+    # The decode step (docs/attention.md): "eager" writes at a growing cursor and attends over the
+    # slots used so far; "static" writes at a device position and attends over the whole capacity
+    # (fixed shapes); "compiled" is the static step under torch.compile (CUDA: CUDA graphs).
+    decode_step: str = "eager"
+    compiled_step: object = field(default=None, repr=False)  # the compiled function, built on first use
+
+    def __post_init__(self) -> None:
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
 
     @property
     def device(self) -> torch.device:
@@ -154,12 +164,10 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = "auto",
     attn_implementation: str = "sdpa",
+    decode_step: str | None = None,
 ) -> LoadedModel:
-    """Load a local causal LM directory (offline), or the embedded default when ``path`` is None."""
-    # With an explicit attention mask (every pced forward has one) transformers' SDPA path copies
-    # the keys/values once per query head group (repeat_kv) unless told to use SDPA's native GQA.
-    # For 11 experts that copy dominated decoding (3x slower per token on CPU, measured).
-    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    """Load a local causal LM directory (offline), or the embedded default when ``path`` is None.
+    ``decode_step``: eager, static or compiled (None: ``LoadedModel``'s default)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if is_embedded(path if path is None else str(path)):
@@ -191,4 +199,5 @@ def load_model(
         path=str(folder),
         fingerprint=model_fingerprint(folder, config),
         tokenizer_hash=tokenizer_hash(tokenizer),
+        **({} if decode_step is None else {"decode_step": decode_step}),
     )

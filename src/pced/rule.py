@@ -173,33 +173,44 @@ class Choice:
     scores: torch.Tensor  # the aggregated vocabulary scores a[v] the token was chosen from
 
 
+def column_of(scores: torch.Tensor, token) -> torch.Tensor:
+    """``scores[..., token]`` for an int or a tensor token, read on the device (plain indexing with a
+    0-d tensor would convert it to a Python int first)."""
+    index = torch.as_tensor(token, device=scores.device).view(1)
+    return scores.index_select(-1, index).squeeze(-1)
+
+
 def aggregate(
     s_hat: torch.Tensor,
     amateur_scores: torch.Tensor,
     relevance: torch.Tensor,
     config: RuleConfig,
+    prior_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, "callable"]:
-    """Aggregated vocabulary scores a [V] and a function token -> winning expert index."""
+    """Aggregated vocabulary scores a [V] and a function token -> winning expert index. The token is
+    a 0-d tensor (or an int) and so is the winner: nothing is read back from the scores' device.
+    ``prior_values``: ``prior_term``'s result on that device, when already computed."""
     if config.aggregation == "max":
         best = s_hat.max(dim=0).values
 
-        def winner(token: int) -> int:
-            column = s_hat[:, token]
-            return int(torch.nonzero(column == column.max())[0, 0])
+        def winner(token):  # argmax returns the first maximal index: the lowest expert on ties
+            return torch.argmax(column_of(s_hat, token))
 
         return best, winner
-    weights = torch.softmax(prior_term(relevance, config.gamma, config.prior), dim=0).to(s_hat.device)
+    if prior_values is None:
+        prior_values = prior_term(relevance, config.gamma, config.prior)
+    weights = torch.softmax(prior_values.to(s_hat.device), dim=0)
+    log_weights = torch.log(weights)
     log_p = torch.log_softmax(s_hat, dim=-1)
     if config.aggregation == "moe":
-        scores = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)
+        scores = torch.logsumexp(log_p + log_weights[:, None], dim=0)
     else:
         scores = torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1)
     amateur_log_p = torch.log_softmax(amateur_scores.float(), dim=-1)
 
-    def winner(token: int) -> int:
-        if bool(amateur_log_p[token] > log_p[:, token].max()):
-            return AMATEUR
-        return int(torch.argmax(torch.log(weights) + log_p[:, token]))
+    def winner(token):
+        column = column_of(log_p, token)
+        return torch.where(column_of(amateur_log_p, token) > column.max(), AMATEUR, torch.argmax(log_weights + column))
 
     return scores, winner
 
@@ -263,14 +274,21 @@ class ContrastiveRule:
             self._prior = prior_term(self.relevance, self.config.gamma, self.config.prior).to(experts.device)
         s_hat = calibrate(experts, amateur, self.beta, self.config.gamma, self.relevance, self.config.prior, self._prior)
         self.last_s_hat = s_hat  # per-expert calibrated scores, for traces
-        return aggregate(s_hat, amateur, self.relevance, self.config)
+        return aggregate(s_hat, amateur, self.relevance, self.config, self._prior)
+
+    def support_at(self, token: torch.Tensor) -> torch.Tensor:
+        """Each expert's calibrated score s_hat_k[token] at the latest step, [N] on the scores' device
+        (empty without experts)."""
+        if self.last_s_hat is None:
+            return torch.zeros(0, device=token.device)
+        return column_of(self.last_s_hat, token)
 
     def support(self, token: int) -> list[float]:
-        """Each expert's calibrated score s_hat_k[token] at the latest step (empty without experts)."""
+        """``support_at`` read back as floats."""
         return [] if self.last_s_hat is None else self.last_s_hat[:, token].tolist()
 
     def choose(self, logits: torch.Tensor) -> Choice:
         """Greedy choice: argmax of the aggregated scores (lowest token id on ties)."""
         scores, winner = self.scores(logits)
-        token = int(torch.argmax(scores))
-        return Choice(token=token, winner=winner(token), scores=scores)
+        token = torch.argmax(scores)
+        return Choice(token=int(token), winner=int(winner(token)), scores=scores)

@@ -27,9 +27,9 @@ T = S = 1 the merge is exactly one softmax over all slots, i.e. plain attention 
 concatenation of independently encoded blocks (the tests check this).
 
 The merge runs inside transformers' attention interface: ``ape_attention_forward`` is
-registered once under the name ``"pced_ape"`` (with SDPA's mask builder under the same name).
-Called without ``ape_block`` it *is* ``sdpa_attention_forward`` (same arguments, same call), so
-the registration changes nothing for anyone else. The model is switched to it only around each
+registered under the name ``"pced_ape"`` (with SDPA's mask builder under the same name) the
+first time APE runs. Called without ``ape_block`` it *is* pced's SDPA function
+(``pced.kv.attention``), so the registration changes nothing for anyone else. The model is switched to it only around each
 APE forward (``use_ape_attention``) and switched back afterwards, so a model loaded with eager
 or flash attention keeps its own kernel for every other method; two threads decoding on one
 model at the same moment would see each other's switch (exact only if the model's own
@@ -47,10 +47,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence, Union
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+from ..kv.attention import pced_attention_forward
 from ..kv.buffer import BufferCache, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
@@ -133,9 +130,9 @@ def ape_attention_forward(
     ape_scale: float = 1.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature; plain SDPA unless ``ape_block`` names the context slots."""
+    """transformers' attention signature; pced's SDPA function unless ``ape_block`` names the context slots."""
     if ape_block is None:
-        return sdpa_attention_forward(
+        return pced_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if dropout:
@@ -152,10 +149,22 @@ def ape_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(APE_ATTENTION, ape_attention_forward)
-# Outside forward_slots (which always passes a ready 4-D mask) the model builds its mask by the
-# attention name; SDPA's builder makes the fallback exact there too.
-AttentionMaskInterface.register(APE_ATTENTION, sdpa_mask)
+_registered = False
+
+
+def register_ape_attention() -> str:
+    """Register the APE function with transformers the first time APE runs; returns its name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(APE_ATTENTION, ape_attention_forward)
+        # Outside forward_slots (which always passes a ready 4-D mask) the model builds its mask by
+        # the attention name; SDPA's builder makes the fallback exact there too.
+        AttentionMaskInterface.register(APE_ATTENTION, sdpa_mask)
+        _registered = True
+    return APE_ATTENTION
 
 
 def check_ape_support(config: object) -> None:
@@ -179,7 +188,7 @@ def use_ape_attention(model: torch.nn.Module) -> Iterator[None]:
     if previous == APE_ATTENTION:
         yield
         return
-    model.set_attn_implementation(APE_ATTENTION)
+    model.set_attn_implementation(register_ape_attention())
     try:
         if model.config._attn_implementation != APE_ATTENTION:
             raise RuntimeError(f"{type(model).__name__} refused the APE attention function (it keeps {previous!r})")

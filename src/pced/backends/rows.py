@@ -19,14 +19,16 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..decoding import Rows
 from ..errors import UserError
-from ..kv.buffer import BufferCache, forward_slots
+from ..kv.attention import use_pced_attention
+from ..kv.buffer import BufferCache, decode_one_token, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
 from .clock import synchronized_time
 
 
-class CachedRows:
+class CachedRows(Rows):
     """A buffer cache, its valid-slot mask and each row's next position; ``advance`` feeds one token."""
 
     def __init__(self, llm: LoadedModel):
@@ -42,11 +44,43 @@ class CachedRows:
         return forward_slots(self.llm.model, self.cache, self.valid, ids, positions, padded=self.padded)
 
     def advance(self, token: int) -> torch.Tensor:
+        if self.llm.decode_step != "eager" and type(self).forward is CachedRows.forward:
+            return self.static_advance(token)
         ids = torch.full((len(self.position), 1), token, device=self.position.device)
         self.valid[:, self.cache.length] = True
         logits = self.forward(ids, self.position[:, None])
         self.position = self.position + 1
         return logits
+
+
+    def static_advance(self, token: int) -> torch.Tensor:
+        """One token through ``decode_one_token``: static token/position/slot buffers on the device,
+        written in place; the host keeps only the cache's cursor in step for ``join``."""
+        state = getattr(self, "_static", None)
+        if state is None or state[0] is not self.cache:  # first step, or the rows changed (a join)
+            use_pced_attention(self.llm.model)
+            self.cache.write_at(torch.tensor([self.cache.length], device=self.position.device))
+            token_buffer = torch.zeros(len(self.position), 1, dtype=torch.long, device=self.position.device)
+            state = self._static = (self.cache, token_buffer, self.position[:, None].clone(), self.cache.layers[0].slot)
+        _, token_buffer, position, slot = state
+        token_buffer.fill_(token)
+        logits = step_function(self.llm)(self.llm.model, self.cache, self.valid, token_buffer, position, slot)
+        position += 1
+        slot += 1
+        self.cache.set_length(self.cache.length + 1)
+        self.position = position[:, 0]
+        return logits
+
+
+def step_function(llm: LoadedModel):
+    """``decode_one_token``, or its compiled form (built once per model; on CUDA ``reduce-overhead``,
+    i.e. CUDA graphs; static shapes, so no recompilation from one step to the next)."""
+    if llm.decode_step != "compiled":
+        return decode_one_token
+    if llm.compiled_step is None:
+        mode = "reduce-overhead" if llm.device.type == "cuda" else None
+        llm.compiled_step = torch.compile(decode_one_token, mode=mode, dynamic=False)
+    return llm.compiled_step
 
 
 class ExpertRows(CachedRows):

@@ -13,12 +13,18 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import use_pced_attention
+
 
 class BufferLayer(CacheLayerMixin):
-    """One layer's keys/values [B, H, capacity, D]; ``update`` writes at the cursor, never concatenates."""
+    """One layer's keys/values [B, H, capacity, D]; ``update`` writes at the cursor, never concatenates.
+
+    With ``slot`` set (a [1] long tensor: the static decode step) it writes one token there and
+    returns the whole buffer: the same shapes every step, no Python-int cursor in the graph."""
 
     is_sliding = False
-    is_compileable = False
+    is_compileable = True
+    slot: torch.Tensor | None = None
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0):
         super().__init__()
@@ -31,6 +37,10 @@ class BufferLayer(CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.slot is not None:
+            self.keys.index_copy_(2, self.slot, key_states)
+            self.values.index_copy_(2, self.slot, value_states)
+            return self.keys, self.values
         end = self.length + key_states.shape[-2]
         if end > self.keys.shape[-2]:
             raise RuntimeError(f"KV buffer full: {end} slots needed, {self.keys.shape[-2]} allocated")
@@ -76,6 +86,16 @@ class BufferCache(Cache):
         for layer in self.layers:
             layer.length = length
 
+    def write_at(self, slot: torch.Tensor | None) -> None:
+        """Static decode steps from now on write at ``slot`` ([1] long, advanced by the caller on the
+        device) and attend over the full capacity; slots not yet written are zeroed once (attention
+        gives them weight 0, and 0 * uninitialised memory may be NaN). None: back to the cursor."""
+        if slot is not None:
+            self.key_buffer[:, :, :, self.length :] = 0
+            self.value_buffer[:, :, :, self.length :] = 0
+        for layer in self.layers:
+            layer.slot = slot
+
 
 def additive_mask(valid: torch.Tensor, start: int, query_length: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, q, start+q] mask: query i (slot start+i) sees valid slots j <= start+i."""
@@ -104,6 +124,7 @@ def forward_slots(
     ``padded`` says whether any slot up to the new ones is padding, when the caller knows (rows
     do): None reads it from ``valid``, a device-to-host sync that a GPU decode step should not pay.
     """
+    use_pced_attention(model)  # masked GQA without the math kernel on CUDA (see kv/attention.py)
     start, query_length = cache.length, input_ids.shape[1]
     if padded is None:
         padded = not bool(valid[:, : start + query_length].all())
@@ -122,3 +143,19 @@ def forward_slots(
     )
     logits = out.logits
     return logits[:, -1] if last_only else logits
+
+
+@torch.no_grad()
+def decode_one_token(model: torch.nn.Module, cache: BufferCache, valid: torch.Tensor, token: torch.Tensor,
+                     position: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The static decode step (gpt-fast's shape): ``token``/``position`` [B, 1] and ``slot`` [1] are
+    device tensors, the cache writes at ``slot`` (``BufferCache.write_at``) and every row attends
+    over the whole capacity under its validity mask. Same shapes every step, no host value: the
+    step ``torch.compile`` can trace once (and CUDA graphs can replay). Returns logits [B, V]."""
+    valid.index_fill_(1, slot, True)
+    dtype = cache.key_buffer.dtype
+    mask = torch.zeros(valid.shape[0], 1, 1, valid.shape[1], dtype=dtype, device=valid.device)
+    mask = mask.masked_fill(~valid[:, None, None, :], torch.finfo(dtype).min)
+    out = model(input_ids=token, position_ids=position, attention_mask=mask, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]

@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..answers import Step
 from ..backends.rows import PlainRows
-from ..decoding import Generation, PlainScoring
+from ..decoding import Generation, PlainScoring, Rows
 from ..llm import LoadedModel
 from ..options import AskOptions
 from ..prompts import PromptBuilder, render_chat
@@ -48,7 +48,7 @@ def map_prompt_ids(tokenizer: object, document: str, instruction: str = MAP_INST
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-class MapReduceRows:
+class MapReduceRows(Rows):
     """Rows whose prefill runs the N map calls, then prefills the reduce prompt in one plain row."""
 
     def __init__(self, llm: LoadedModel, builder: PromptBuilder, documents: Sequence[str], question: str,

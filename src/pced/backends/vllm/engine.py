@@ -35,7 +35,7 @@ import torch
 
 from ...errors import UserError
 from ...sampling import SamplingConfig
-from ...decoding import Decision, Generation
+from ...decoding import Decision, Generation, Rows
 from ...documents import Candidate
 from ...options import VLLMSettings
 from ...prompts import PromptBuilder
@@ -168,7 +168,7 @@ class VLLMEngine:
         return tokens
 
 
-class EngineRows:
+class EngineRows(Rows):
     """``decoding.Rows`` over a vLLM group: ``prefill`` opens the group in the engine's registry,
     submits the question's N+1 requests and waits for the group's first token; each ``advance`` waits
     for the next one. The processor chose every token inside the engine, so the rows hand the loop

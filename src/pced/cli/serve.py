@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 
@@ -33,6 +34,11 @@ def add_serve_parser(sub) -> None:
                         help=f"--backend vllm: questions decoding at once (default {defaults.max_concurrent})")
     limits.add_argument("--max-documents", type=int, default=defaults.max_documents,
                         help=f"documents a request may carry (default {defaults.max_documents})")
+    limits.add_argument("--request-cache-gb", type=float, default=defaults.request_cache_gb,
+                        help="disk for the KV caches of documents sent with requests, least recently used evicted "
+                             f"(default {defaults.request_cache_gb:g}; never written into the store)")
+    limits.add_argument("--request-cache-dir", default=None,
+                        help="where those caches live (default: under $PCED_CACHE_DIR/kv, one folder per model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -52,6 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_body_bytes", "max_tokens", "max_queue", "max_documents", "max_concurrent"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    if not (math.isfinite(args.request_cache_gb) and args.request_cache_gb > 0):
+        raise InputError(f"--request-cache-gb must be a number > 0, got {args.request_cache_gb}")
     try:
         import uvicorn
 
@@ -62,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
                     max_documents=args.max_documents, max_concurrent=args.max_concurrent,
+                    request_cache_gb=args.request_cache_gb,
                     default_max_tokens=min(Limits.default_max_tokens, args.max_tokens))
     try:
         vllm = vllm_settings_from(args)
@@ -69,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
-    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm)
+    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm,
+                     request_cache_dir=args.request_cache_dir)
     report = app.state.worker.warm_up()
     if args.backend == "vllm":
         print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "

@@ -119,10 +119,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 
 def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
-               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings()) -> FastAPI:
+               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings(),
+               request_cache_dir: str | None = None) -> FastAPI:
     """An app over an opened DocumentStore: on the transformers backend one generation at a time,
-    in a worker thread; on the vLLM backend PCED questions decode together in its engine."""
-    worker = Worker(store, limits, backend, vllm)
+    in a worker thread; on the vLLM backend PCED questions decode together in its engine.
+    ``request_cache_dir``: where request documents' caches go (None: the user cache, per model)."""
+    worker = Worker(store, limits, backend, vllm, request_cache_dir)
     model_name = model_id or store.llm.name
 
     @asynccontextmanager
@@ -195,9 +197,10 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
+        return {"status": "ok", "model": model_name, "documents": len(worker.store.documents), "pending": worker.pending,
                 "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
-                "kv_pool": worker.pool_health()}
+                "kv_pool": worker.pool_health(), "store": worker.store_health(),
+                "request_cache": worker.request_cache_health()}
 
     @app.get("/v1/models")
     async def models():

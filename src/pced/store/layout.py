@@ -77,6 +77,11 @@ def state_dir(root: Path, manifest: dict) -> Path:
     return root / GENERATIONS_DIR / str(n) if n else root
 
 
+def legacy_chunked(manifest: dict) -> list[str]:
+    """The owners of chunks a store wrote before chunks recorded their source (generation 0 only)."""
+    return [] if generation(manifest) else list(manifest.get("chunked", []))
+
+
 def write_documents(documents: list[Document], path: Path) -> None:
     def record(d: Document) -> dict:
         return {"id": d.id, "title": d.title, "text": d.text, **({"source": d.source} if d.source else {})}

@@ -18,7 +18,7 @@ from ..generator import Generator
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
 from ..options import AskOptions
-from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
+from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation, legacy_chunked,
                      read_documents, recover, state_dir)
 
 OPEN_ATTEMPTS = 3  # an index run published (and swept) two generations while this reader was opening one
@@ -52,7 +52,7 @@ class DocumentStore:
                 if not generation(manifest):
                     recover(root)  # a store written before generations: undo a killed run's half swap
                 state = state_dir(root, manifest)
-                documents = read_documents(state / DOCUMENTS, manifest.get("chunked", []))
+                documents = read_documents(state / DOCUMENTS, legacy_chunked(manifest))
                 ids = [d.id for d in documents]
                 settings = IndexSettings(**manifest["settings"])
                 mismatched = [name for name in index_dirs(settings.bge_m3)

@@ -26,7 +26,7 @@ from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes
 from ..llm import LoadedModel, load_model
 from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
-                     read_documents, recover, state_dir, write_documents)
+                     legacy_chunked, read_documents, recover, state_dir, write_documents)
 from .lock import LOCK_FILE, writer_lock
 from .reader import DocumentStore
 
@@ -176,7 +176,7 @@ def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
                 f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                 f"{settings.identity()}: use another --out or the same model/retriever settings"
             )
-        return DocumentStore(root, old, read_documents(state_dir(root, old) / DOCUMENTS, old.get("chunked", [])))
+        return DocumentStore(root, old, read_documents(state_dir(root, old) / DOCUMENTS, legacy_chunked(old)))
     if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, GENERATIONS_DIR, LOCK_FILE)
                              and not p.name.startswith(TEMP_PREFIX)):
         raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")

@@ -53,9 +53,10 @@ class KVStore:
         self.root = Path(root)
         self.llm, self.builder = llm, builder
         self.storage_dtype = storage_dtype
+        # what every cache must have been built for; the model's folder name is recorded, not checked
+        # (a moved or renamed model keeps its fingerprint)
         self.identity = {
             "format": FORMAT_VERSION,
-            "model": llm.name,
             "model_fingerprint": llm.fingerprint,
             "tokenizer_hash": llm.tokenizer_hash,
             "template": builder.template.name,
@@ -95,10 +96,11 @@ class KVStore:
                         "use another directory or rebuild it"
                     )
             return
-        atomic_write_json(manifest, self.identity)
+        atomic_write_json(manifest, {**self.identity, "model": self.llm.name})
 
     def _metadata(self, content: str, kv: DocKV) -> dict[str, str]:
         meta = {k: str(v) for k, v in self.identity.items()}
+        meta["model"] = self.llm.name
         meta.update(content_hash=content, n_tokens=str(kv.n_tokens), checksum=tensor_checksum(list(kv.tensors().values())))
         return meta
 

@@ -42,7 +42,7 @@ def ape_from_store(
 ) -> APEGeneration:
     """An APEGeneration over document texts (ranked order), encoding any not yet in ``store``."""
     if store.llm.fingerprint != llm.fingerprint:
-        raise ValueError(f"the KV store {store.root} was built for model {store.identity['model']!r}, not {llm.name!r}")
+        raise ValueError(f"the KV store {store.root} was built for model {store.llm.name!r}, not {llm.name!r}")
     digests = store.add(list(documents), progress=False)
     return APEGeneration(
         llm,

@@ -10,7 +10,20 @@ chunks, merges, encodes and swaps (one writer). ``layout`` is what both agree on
 """
 
 from .layout import FORMAT, IndexSettings, StoreError
-from .reader import DocumentStore
-from .writer import index_store
+
+
+def __getattr__(name: str):
+    # the read and write paths load transformers; a command that only needs the settings (argument
+    # parsing, refusing bad input) does not wait for it
+    if name == "DocumentStore":
+        from .reader import DocumentStore
+
+        return DocumentStore
+    if name == "index_store":
+        from .writer import index_store
+
+        return index_store
+    raise AttributeError(f"module 'pced.store' has no attribute {name!r}")
+
 
 __all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store"]

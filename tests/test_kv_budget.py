@@ -54,6 +54,7 @@ def test_eviction_under_a_budget_keeps_answers_identical_to_an_unbounded_store(t
     reopened = DocumentStore.open(tmp_path / "bounded", tiny_llm)
     assert {k: reopened.generator.caches.stats()[k] for k in ("hits", "misses", "evictions")} == \
         {k: stats[k] for k in ("hits", "misses", "evictions")}
+    assert DocumentStore.open(tmp_path / "bounded").cache_stats() == stats  # without a model
     # a later run without --kv-budget-gb keeps the budget
     store, _ = index_store([Document("new", "A new fact.")], tmp_path / "bounded", IndexSettings(**base), llm=tiny_llm,
                            progress=False)

@@ -184,8 +184,9 @@ class KVStore:
         """Temporary files of a run that was killed mid-write. Only the single indexing writer may
         call this: ``add`` also runs on every answer (readers, the server), where it could delete
         another process's file in flight."""
-        sweep_temporaries(self.root)
-        sweep_temporaries(self.root / "kv", "*/")
+        # readers of an on-demand store write caches and counters too: leave those of live processes
+        sweep_temporaries(self.root, keep_live=True)
+        sweep_temporaries(self.root / "kv", "*/", keep_live=True)
 
     def _save(self, kv: DocKV, digest: str, path: Path) -> None:
         stored = kv.stored_as(self.storage_dtype)

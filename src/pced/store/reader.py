@@ -74,6 +74,15 @@ class DocumentStore:
             store.check_model(store._llm)
         return store
 
+    def cache_stats(self) -> dict:
+        """The KV caches without loading a model: on demand or not, budget (bytes or None), bytes and
+        files held, and the counters persisted by every process that used them (hits, misses, evictions)."""
+        from ..kv.budget import ByteBudget, gb_to_bytes
+
+        kv = self.root / "kv"
+        return {"on_demand": self.settings.on_demand,
+                **ByteBudget(kv, kv / "kv", gb_to_bytes(self.settings.kv_budget_gb)).stats()}
+
     def changed(self) -> bool:
         """Whether an index run has published another generation since this one was opened."""
         return _current_generation(self.root / MANIFEST) != self.generation

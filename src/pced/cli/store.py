@@ -107,8 +107,10 @@ def cmd_index(args: argparse.Namespace) -> int:
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"
         f"{' (the others when first retrieved)' if report['on_demand'] else ''}; "
         f"retrieval indexes built in {report['retrieval_index_s']:.1f} s"
+        + (f"; {report['chunks_replaced']} old chunks replaced" if report["chunks_replaced"] else "")
         + (f"; {report['kv_orphans_removed']} caches of documents no longer in the store removed"
            if report["kv_orphans_removed"] else "")
+        + (f"; {report['kv_evicted']} caches evicted to stay within --kv-budget-gb" if report["kv_evicted"] else "")
     )
     return 0
 

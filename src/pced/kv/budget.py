@@ -83,10 +83,12 @@ class ByteBudget:
     def record(self, hits: int = 0, misses: int = 0, protect: Iterable[str] = ()) -> int:
         """Count a use (``hits`` files found, ``misses`` encoded), then evict the least recently used
         files past the budget, never those named in ``protect`` (stems: the caches in use now).
-        Returns how many were evicted."""
+        Returns how many were evicted. Only a use that added files (or a bare call: the index run)
+        scans the directory, so a question whose caches were all there costs one small write."""
         with self._locked():
             counters = self._counters()
-            evicted = self._evict(set(protect)) if self.max_bytes is not None else 0
+            grew = misses > 0 or not (hits or misses)
+            evicted = self._evict(set(protect)) if self.max_bytes is not None and grew else 0
             counters["hits"] += hits
             counters["misses"] += misses
             counters["evictions"] += evicted

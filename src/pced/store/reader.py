@@ -46,6 +46,7 @@ class DocumentStore:
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():
             raise StoreError(f"{root} is not a pced store (no manifest.json); build it with pced index")
+        manifest: dict = {}
         for attempt in range(OPEN_ATTEMPTS):
             try:
                 manifest = json.loads(manifest_path.read_text())

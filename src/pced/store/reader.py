@@ -62,7 +62,7 @@ class DocumentStore:
                 if attempt + 1 < OPEN_ATTEMPTS and generation(manifest) != _current_generation(manifest_path):
                     continue  # the generation was swept meanwhile: read the newer one
                 raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
-            except (json.JSONDecodeError, OSError, KeyError, TypeError) as exc:
+            except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
                 raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
             break
         if manifest.get("format") != FORMAT:

@@ -55,3 +55,26 @@ def test_readers_opening_a_store_while_it_is_indexed_are_never_refused(tmp_path,
     final = DocumentStore.open(root)
     assert final.generation == 5 and len(final.documents) == 1 + 4 * 6 + 1
     assert len(list((root / "generations").iterdir())) == 2  # older generations swept
+
+
+def test_a_reader_opening_between_the_index_files_being_written_sees_the_old_state(tmp_path, tiny_llm, monkeypatch):
+    """Deterministic: open a reader at the moment documents.jsonl is written, after the retriever
+    indexes of the new state exist (before generations, the indexes were already swapped in then)."""
+    import pced.store.writer as writer
+
+    settings = IndexSettings(model=str(tiny_llm.path), storage_dtype="float32")
+    root = tmp_path / "store"
+    index_store([Document("first", "The first document.")], root, settings, llm=tiny_llm, progress=False)
+    seen = []
+    original = writer.write_documents
+
+    def write_and_read(documents, path):
+        original(documents, path)
+        store = DocumentStore.open(root)  # a reader arriving now
+        seen.append([d.id for d in store.documents])
+        seen.append(store.retrieve("document", "dense", top_k=5, top_n=5, rerank=False)[0].document.id)
+
+    monkeypatch.setattr(writer, "write_documents", write_and_read)
+    index_store([Document("second", "The second document.")], root, settings, llm=tiny_llm, progress=False)
+    assert seen == [["first"], "first"]
+    assert [d.id for d in DocumentStore.open(root).documents] == ["first", "second"]

@@ -15,6 +15,13 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that asks for the embedded model is in the slow lane whether or not it says so."""
+    for item in items:
+        if "embedded_llm" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def embedded_tokenizer_dir() -> Path:
     from pced.llm import embedded_model_dir

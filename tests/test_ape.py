@@ -121,6 +121,7 @@ def test_single_document_at_T1_S1_is_concatenation(setup):
     assert llm.model.config._attn_implementation == "sdpa"  # switched back after every APE forward
 
 
+@pytest.mark.slow
 def test_single_document_at_T1_S1_is_concatenation_on_the_embedded_model(embedded_llm):
     builder = PromptBuilder(embedded_llm.tokenizer)
     prefix = encode_prefix(embedded_llm, builder.prefix_ids)

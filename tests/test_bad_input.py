@@ -14,7 +14,7 @@ from pced.documents import Document
 from pced.options import MAX_QUESTION_CHARS, MAX_TOP_K
 from pced.store import DocumentStore, IndexSettings, index_store
 
-from helpers.cli import run_pced, write_jsonl
+from helpers.cli import write_jsonl
 
 DOCS = [Document("zorblax", "The Zorblax Company makes tidal clocks. It was founded by Mira Quell.", "Zorblax"),
         Document("quell", "Mira Quell was born in the town of Oskvale.", "Mira Quell")]
@@ -33,6 +33,7 @@ def one_line_error(capsys, code: int, expected: str) -> None:
     assert code == 2 and len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     # the shell hands Python bytes that are not UTF-8: they arrive as lone surrogates
     result = subprocess.run([sys.executable, "-m", "pced.cli", "ask", str(store_dir), b"Who \xff Cola?", "--model",
@@ -114,6 +115,7 @@ def test_server_refuses_lone_surrogates_and_oversized_input(store_dir, tiny_llm)
             assert error["code"] == code and error["param"] == param, error
 
 
+@pytest.mark.slow
 def test_two_concurrent_index_runs_keep_every_document(tmp_path, tiny_model_dir):
     a = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "text": f"Alpha fact {i}: item {i} is red. " * 6} for i in range(15)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"id": f"b{i}", "text": f"Beta fact {i}: item {i} is blue. " * 6} for i in range(30)])
@@ -147,5 +149,6 @@ def test_version_and_threads(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("pced ")
-    result = run_pced("ask", "--help")
-    assert "--threads" in result.stdout
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    assert "--threads" in capsys.readouterr().out

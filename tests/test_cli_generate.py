@@ -7,6 +7,8 @@ import pytest
 
 from helpers.cli import run_pced
 
+pytestmark = pytest.mark.slow  # `pced generate` in subprocesses
+
 CONTRACT_KEYS = {"answer", "method", "experts", "trace", "beta", "timings"}
 
 

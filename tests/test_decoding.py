@@ -1,13 +1,16 @@
 """Batched expert decoding on a tiny random Llama: exactness against plain transformers."""
 
+import random
+
 import pytest
 import torch
 
+from pced.decoding import Generation, PlainScoring, ban_repeated_ngrams
 from pced.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration, generate
 from pced.rule import AMATEUR, RuleConfig
 
-from helpers.experts import encode_setup
+from helpers.experts import encode_setup, repeats
 
 QUESTION = "Which town was the founder born in?"
 DOCS = [
@@ -119,3 +122,59 @@ def test_split_characters_are_held_back_until_complete(tiny_llm):
     pieces = [tracker.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + tracker.flush() == "日本語のテキスト 𝔘𝔫𝔦"
+
+
+def banned_by_hand(generated: list[int], n: int) -> set[int]:
+    if len(generated) < n:
+        return set()
+    prefix = generated[len(generated) - n + 1:]
+    return {generated[i + n - 1] for i in range(len(generated) - n + 1) if generated[i:i + n - 1] == prefix}
+
+
+def test_ban_sets_exactly_the_completing_tokens_to_minus_inf():
+    scores = torch.randn(20)
+    before = scores.clone()
+    generated = [1, 2, 3, 1, 2, 5, 1, 2]
+    for n, banned in ((3, {3, 5}), (2, {3, 5}), (1, {1, 2, 3, 5}), (4, set()), (9, set())):
+        out = ban_repeated_ngrams(scores, generated, n)
+        assert torch.equal(scores, before)  # the caller's scores are not changed in place
+        assert {int(i) for i in torch.nonzero(torch.isinf(out)).flatten()} == banned, n
+        keep = torch.ones(20, dtype=torch.bool)
+        keep[list(banned)] = False
+        assert torch.equal(out[keep], before[keep]) and bool((out[~keep] == float("-inf")).all())
+    rng = random.Random(0)
+    for _ in range(200):  # against the definition, on random short sequences over a small vocabulary
+        generated, n = [rng.randrange(4) for _ in range(rng.randrange(12))], rng.randrange(1, 5)
+        out = ban_repeated_ngrams(torch.zeros(4), generated, n)
+        assert {int(i) for i in torch.nonzero(torch.isinf(out)).flatten()} == banned_by_hand(generated, n)
+
+
+class CyclingRows:
+    """A stand-in model of one row that always prefers the next token of a 4-token cycle."""
+
+    def __init__(self, ids: list[int], vocab: int):
+        self.ids, self.vocab, self.timings, self.stats = ids, vocab, {}, {}
+
+    def logits_after(self, token: int) -> torch.Tensor:
+        logits = torch.zeros(1, self.vocab)
+        logits[0, self.ids] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # a fixed fallback order
+        logits[0, self.ids[(self.ids.index(token) + 1) % 4] if token in self.ids else self.ids[0]] = 10.0
+        return logits
+
+    def prefill(self) -> torch.Tensor:
+        return self.logits_after(-1)
+
+    def advance(self, token: int) -> torch.Tensor:
+        return self.logits_after(token)
+
+
+def test_the_ban_applies_to_plain_scoring_too(tiny_llm):
+    ids = tiny_llm.tokenizer(" a b c d", add_special_tokens=False)["input_ids"][:4]
+    assert len(set(ids)) == 4
+    vocab = len(tiny_llm.tokenizer)
+    run = lambda n: Generation(CyclingRows(ids, vocab), PlainScoring(), tiny_llm,
+                               SamplingConfig(max_new_tokens=12, ignore_eos=True, no_repeat_ngram=n),
+                               method="single").answer().token_ids
+    assert run(0) == [ids[0], ids[1], ids[2], ids[3]] * 3 and repeats(run(0), 3) == 6
+    assert repeats(run(3), 3) == -1 and run(3)[:6] == run(0)[:6] and run(3)[6] != run(0)[6]
+    assert repeats(run(2), 2) == -1 and run(2)[:5] == run(0)[:5]

@@ -1,5 +1,6 @@
 """Integration on the embedded SmolLM2-135M-Instruct (dequantized from the packaged GGUF)."""
 
+import pytest
 import torch
 
 from pced.sampling import SamplingConfig
@@ -8,6 +9,8 @@ from pced.documents import Candidate
 from pced.generator import Generator
 from pced.prompts import PromptBuilder
 from pced.rule import RuleConfig
+
+pytestmark = pytest.mark.slow  # the embedded model
 
 
 def test_embedded_one_document_is_plain_greedy(embedded_llm, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from pced.cli import main
 from pced.evaluation import DatasetError, resolve_data_dir
 from pced.evaluation.runner import EvalConfig, EvalError, build_grid, run_eval, validate
+from pced.evaluation.report import format_table
 from pced.rule import RuleConfig
 
 from helpers.cli import run_pced
@@ -65,6 +66,7 @@ def loft_run(tmp_path_factory, tiny_model_dir):
     return root, args, result, seconds
 
 
+@pytest.mark.slow
 def test_eval_end_to_end_outputs(loft_run):
     root, _, result, _ = loft_run
     out = root / "out"
@@ -101,6 +103,7 @@ def test_eval_end_to_end_outputs(loft_run):
     assert "nothing to do" not in result.stdout
 
 
+@pytest.mark.slow
 def test_rerun_resumes_without_generating(loft_run):
     root, args, _, first_seconds = loft_run
     before = (root / "out" / "results.jsonl").read_bytes()
@@ -112,6 +115,7 @@ def test_rerun_resumes_without_generating(loft_run):
     assert json.loads((root / "out" / "summary.json").read_text())["n_examples"] == 3
 
 
+@pytest.mark.slow
 def test_interrupted_run_completes_only_missing_pairs(loft_run, tmp_path, tiny_model_dir, tiny_llm, capsys):
     root, _, _, _ = loft_run
     out = tmp_path / "out"
@@ -129,6 +133,7 @@ def test_interrupted_run_completes_only_missing_pairs(loft_run, tmp_path, tiny_m
     assert "19 answers to compute" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_relevance_variants_rescore_the_same_candidates(loft_run, tmp_path, tiny_model_dir, tiny_llm):
     root = loft_run[0]
     config = EvalConfig(dataset=str(LOFT_TINY), methods=["pced", "single"], relevance=["sparse", "dense"],
@@ -205,6 +210,7 @@ def test_bad_input_is_one_line_exit_2_before_any_model_loads(argv, message, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_shell(tmp_path):
     result, seconds = pced("eval", "--dataset", str(LOFT_TINY), "--methods", "pced,nope",
                            "--model", str(tmp_path / "missing"))
@@ -225,6 +231,7 @@ def test_out_dir_of_another_run_is_refused_before_loading(tmp_path, tiny_model_d
     assert code == 2 and "holds results of another run" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_follow_sweeps_decode_time_relevance_and_off_is_todays_run(tmp_path, tiny_model_dir):
     """--follow off,rescore+join: the off run is the plain run's records; the other carries its
     settings, the experts that joined, and the relevance it ranked with."""
@@ -246,3 +253,59 @@ def test_follow_sweeps_decode_time_relevance_and_off_is_todays_run(tmp_path, tin
     assert "rescore+join<=2" in (tmp_path / "follow" / "table.md").read_text()
     bad = run_pced(*common, "--follow", "sideways", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "--follow: unknown mode 'sideways'" in bad.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prior", "nope"], "--prior: 'nope' is not one of log, standardized"),
+    (["--prior", "log,"], "--prior: empty value"),
+    (["--no-repeat-ngram", "-1"], "--no-repeat-ngram: values must be >= 0"),
+    (["--no-repeat-ngram", "3,x"], "--no-repeat-ngram: 'x' is not an integer"),
+    (["--no-repeat-ngram", "0,3", "--backend", "vllm"], "--no-repeat-ngram: the vllm backend"),
+])
+def test_eval_refuses_bad_prior_and_ngram_before_any_model_loads(argv, message, tmp_path, capsys, monkeypatch):
+    import pced.llm
+
+    monkeypatch.setattr(pced.llm, "load_model", lambda *_, **__: pytest.fail("a model was loaded"))
+    code = main(["eval", "--dataset", str(LOFT_TINY), *argv, "--model", str(tmp_path / "missing"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("pced: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_grid_sweeps_prior_for_pced_and_the_ban_for_every_method():
+    config = validate(EvalConfig(dataset="x", methods=["pced", "single"], prior=["log", "standardized"],
+                                 no_repeat_ngram=[0, 3]))
+    grid = build_grid(config, RuleConfig(gamma=32.0))
+    today = "pced|beta=dynamic|gamma=32|agg=max|space=logits|k=8|ret=hybrid"
+    assert [r.key for r in grid] == [
+        today, today + "|nrng=3",
+        "pced|beta=dynamic|gamma=32|agg=max|space=logits|prior=standardized|k=8|ret=hybrid",
+        "pced|beta=dynamic|gamma=32|agg=max|space=logits|prior=standardized|k=8|ret=hybrid|nrng=3",
+        "single|k=8|ret=hybrid", "single|k=8|ret=hybrid|nrng=3"]
+    assert [(r.rule.prior if r.rule else None, r.no_repeat_ngram) for r in grid] == [
+        ("log", 0), ("log", 3), ("standardized", 0), ("standardized", 3), (None, 0), (None, 3)]
+    # a run without the new settings has exactly the keys and settings it had before they existed
+    plain = build_grid(validate(EvalConfig(dataset="x", methods=["pced", "single"])), RuleConfig(gamma=32.0))
+    assert [r.key for r in plain] == [today, "single|k=8|ret=hybrid"]
+    assert plain[0] == grid[0] and plain[0].settings() == {"beta": "dynamic", "gamma": 32.0, "aggregation": "max",
+                                                          "score_space": "logits", "top_k": 8, "retriever": "hybrid"}
+    assert grid[3].settings()["prior"] == "standardized" and grid[3].settings()["no_repeat_ngram"] == 3
+    with pytest.raises(EvalError, match="--prior"):
+        validate(EvalConfig(dataset="x", prior=["nope"]))
+    with pytest.raises(EvalError, match="--no-repeat-ngram"):
+        validate(EvalConfig(dataset="x", no_repeat_ngram=[]))
+
+
+def test_table_shows_prior_and_ngram_columns_only_when_swept():
+    base = {"method": "pced", "config": "c", "score": 10.0, "n": 2, "beta": "dynamic", "gamma": 2.5,
+            "aggregation": "max", "score_space": "logits", "top_k": 8, "retriever": "hybrid"}
+    plain = format_table({"metric": "em", "results": [base]})
+    assert "Prior" not in plain and "n-gram" not in plain
+    swept = format_table({"metric": "em", "results": [
+        base, {**base, "config": "d", "prior": "standardized", "no_repeat_ngram": 3},
+        {"method": "single", "config": "e", "score": 5.0, "n": 2, "top_k": 8, "retriever": "hybrid"}]})
+    lines = swept.splitlines()
+    header = [c.strip() for c in next(line for line in lines if line.startswith("| Method")).split("|")]
+    cells = [[c.strip() for c in line.split("|")] for line in lines if line.startswith("| PCED") or "Single" in line]
+    prior, ngram = header.index("Prior"), header.index("No-repeat n-gram")
+    assert [(row[prior], row[ngram]) for row in cells] == [("log", "0"), ("standardized", "3"), ("–", "0")]

@@ -50,6 +50,7 @@ def test_shapes_by_name_or_json_and_a_clear_error_otherwise(tmp_path):
         shape_of("llama-9000")
 
 
+@pytest.mark.slow
 def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_path):
     out = tmp_path / "bench"
     result = run_pced("bench", "--random-model", "tiny", "--ks", "2", "--doc-tokens", "32", "--repeats", "1",
@@ -70,7 +71,7 @@ def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_pa
 
 
 def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_path):
-    """scripts/peer_langchain_pced.py times the authors' implementation in its own environment on
+    """experiments/peer_langchain_pced.py times the authors' implementation in its own environment on
     the model the bench timed ours on: from peer_inputs.json it must rebuild the very same weights."""
     import importlib.util
     from pathlib import Path
@@ -78,7 +79,7 @@ def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_
     from pced.bench.run import peer_inputs
     from pced.bench.config import BenchConfig
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "peer_langchain_pced.py"
+    script = Path(__file__).resolve().parents[1] / "experiments" / "peer_langchain_pced.py"
     spec = importlib.util.spec_from_file_location("peer_langchain_pced", script)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)

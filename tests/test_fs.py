@@ -56,6 +56,7 @@ def test_directory_swap_and_its_recovery(tmp_path):
     assert sweep_temporaries(tmp_path) == 1 and [p.name for p in tmp_path.iterdir()] == ["index"]
 
 
+@pytest.mark.slow
 def test_importing_any_pced_module_leaves_the_umask_unchanged():
     code = (
         "import os, pkgutil, importlib, pced\n"

@@ -55,6 +55,7 @@ def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path)
     assert first.token_ids == again.token_ids
 
 
+@pytest.mark.slow
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     from pced.bench.run import BenchConfig, run_bench, secret_code_documents
     from pced.prompts import RAG_TEMPLATE
@@ -70,7 +71,7 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     assert all(row["pced_ttft_s"] > 0 for row in storage.values())
     assert results["end_to_end"]["pced"]["new_tokens"] == results["end_to_end"]["all"]["new_tokens"] == 5
     assert {p.name for p in (tmp_path / "bench").iterdir()} >= {"bench.json", "bench.md", "bench.png", "peer_inputs.json"}
-    # what the authors' implementation is timed on (scripts/peer_langchain_pced.py): exactly our prompt
+    # what the authors' implementation is timed on (experiments/peer_langchain_pced.py): exactly our prompt
     peer = json.loads((tmp_path / "bench" / "peer_inputs.json").read_text())
     length = peer["lengths"][0]
     assert peer["ks"] == [2, 3] and len(length["doc_ids"]) == 3 and length["scores"][0] == 0.8
@@ -80,3 +81,26 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     assert length["prefix_ids"] + length["doc_ids"][0] + length["question_ids"] == \
         generator.builder.prompt_ids([gold_doc.render()], question)
     assert "peer" not in results["lengths"][0]
+
+
+def test_one_dispatch_builds_every_method_and_the_generator_streams_through_it(tiny_llm, tmp_path):
+    from pced.methods import BUILDERS, start
+    from pced.methods.pced import Expert, PCEDGeneration
+    from pced.rule import RuleConfig
+
+    assert set(BUILDERS) == set(METHODS)  # a method is added in one place
+    generator = Generator(tiny_llm, "rag", tmp_path / "kv", "float32")
+    candidates = [Candidate(d, r) for d, r in zip(DOCS, (0.8, 0.6))]
+    sampling = SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    options = AskOptions(sampling=sampling)
+    started = start(generator, candidates, QUESTION, options, RuleConfig())
+    streamed = generator.stream(candidates, QUESTION, RuleConfig(), sampling)
+    # by hand, as the generator did before it handed the work down to the method
+    builder, caches = generator.builder, generator.caches
+    digests = caches.add([c.document.render() for c in candidates], progress=False)
+    experts = [Expert(c.document.id, c.relevance, lambda d=d: caches.load(d)) for c, d in zip(candidates, digests)]
+    by_hand = PCEDGeneration(tiny_llm, caches.prefix(), experts, builder.suffix_ids(QUESTION, with_context=True),
+                             builder.suffix_ids(QUESTION, with_context=False), RuleConfig(), sampling)
+    answers = [g.answer() for g in (started, streamed, by_hand)]
+    assert answers[0].token_ids == answers[1].token_ids == answers[2].token_ids and len(answers[0].token_ids) == 8
+    assert [s.winner for s in answers[0].trace] == [s.winner for s in answers[2].trace]

@@ -1,6 +1,6 @@
 """Gold-paragraph recall of the embedded default retriever on HotpotQA (corpus-wide).
 
-Measured with ``scripts/retrieval_recall.py`` (994 passages, 100 questions, CPU):
+Measured with ``experiments/retrieval_recall.py`` (994 passages, 100 questions, CPU):
 
 | retriever            | recall@8 | all gold@8 | recall@90 | all gold@90 |
 |----------------------|----------|------------|-----------|-------------|
@@ -26,6 +26,8 @@ import pytest  # noqa: E402
 
 from pced.retrieval import HybridRetriever, default_retriever  # noqa: E402
 
+pytestmark = pytest.mark.slow  # MiniLM over 994 HotpotQA passages
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {8: {"recall": 0.83, "all_gold": 0.70}, 90: {"recall": 0.95, "all_gold": 0.92}}
 
@@ -35,7 +37,7 @@ def _data_dir() -> Path:
 
 
 def _recall_script():
-    path = REPO_ROOT / "scripts" / "retrieval_recall.py"
+    path = REPO_ROOT / "experiments" / "retrieval_recall.py"
     spec = importlib.util.spec_from_file_location("retrieval_recall", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

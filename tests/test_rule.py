@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pced.rule import AMATEUR, ContrastiveRule, RuleConfig, calibrate, js_divergence
+from pced.rule import AMATEUR, ContrastiveRule, RuleConfig, aggregate, calibrate, js_divergence, prior_term
+
+from helpers.experts import old_prior
+
+TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # float32 rounding of the same real number computed two ways
 
 
 def reference_jsd(p_logits, q_logits):
@@ -167,3 +171,160 @@ def test_rule_computes_on_the_device_of_the_logits_whatever_the_relevance_device
         rule = ContrastiveRule(RuleConfig(beta=0.5, aggregation=aggregation), relevance)
         scores, _ = rule.scores(torch.randn(4, 11, device="meta"))
         assert scores.device.type == "meta"
+
+
+def test_log_prior_is_the_pre_change_formula_in_calibrate_and_weights():
+    torch.manual_seed(0)
+    experts, amateur, beta = torch.randn(4, 50), torch.randn(50), torch.rand(4)
+    relevance = torch.tensor([0.91, 0.42, 1e-12, 0.999999999])  # one below and one above the clip
+    expected = (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :] + old_prior(relevance, 2.5)[:, None]
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, relevance), expected)
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, relevance, "log"), expected)
+    for aggregation in ("moe", "poe"):
+        scores, _ = aggregate(expected, amateur, relevance, RuleConfig(gamma=2.5, aggregation=aggregation))
+        weights = torch.softmax(old_prior(relevance, 2.5), dim=0)
+        log_p = torch.log_softmax(expected, dim=-1)
+        if aggregation == "moe":
+            reference = torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0)
+        else:
+            reference = torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1)
+        assert torch.equal(scores, reference)
+
+
+def test_standardized_prior_is_the_formula_and_scale_free():
+    r = torch.tensor([0.9, 0.7, 0.5, 0.2])
+    log_r = np.log(r.double().numpy())
+    expected = 3.0 * (log_r - log_r.max()) / log_r.std()  # numpy's std is the population one
+    got = prior_term(r, 3.0, "standardized")
+    assert got.dtype == torch.float32 and got[0] == 0.0
+    torch.testing.assert_close(got, torch.from_numpy(expected).float(), **TOLERANCE)
+    for c in (0.5, 2.0, 3.0):
+        torch.testing.assert_close(prior_term(r ** c, 3.0, "standardized"), got, **TOLERANCE)  # r -> r^c
+        torch.testing.assert_close(prior_term(r * (c / 3.0), 3.0, "standardized"), got, **TOLERANCE)  # r -> r * const
+    # a reranker's sigmoid spreads log r over nats, BM25's over hundredths: the same gate either way
+    assert not torch.allclose(prior_term(r ** 8, 3.0), prior_term(r, 3.0))
+
+
+def test_standardized_prior_is_zero_for_one_expert_and_for_equal_relevances():
+    assert torch.equal(prior_term(torch.tensor([0.3]), 2.5, "standardized"), torch.zeros(1))
+    assert torch.equal(prior_term(torch.tensor([0.37] * 5), 2.5, "standardized"), torch.zeros(5))
+    assert torch.equal(prior_term(torch.tensor([1e-12, 0.0]), 2.5, "standardized"), torch.zeros(2))  # both clipped
+    experts, amateur = torch.randn(5, 40), torch.randn(40)
+    beta = torch.full((5,), 0.3)
+    plain = (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :]
+    assert torch.equal(calibrate(experts, amateur, beta, 2.5, torch.tensor([0.37] * 5), "standardized"), plain + 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe", "poe"])
+def test_every_aggregation_uses_the_same_standardized_term(aggregation):
+    torch.manual_seed(1)
+    experts, amateur, beta = torch.randn(3, 30), torch.randn(30), torch.rand(3)
+    r = torch.tensor([0.8, 0.75, 0.3])
+    config = RuleConfig(gamma=2.0, aggregation=aggregation, prior="standardized")
+    prior = prior_term(r, 2.0, "standardized")
+    s_hat = calibrate(experts, amateur, beta, 2.0, r, "standardized")
+    assert torch.equal(s_hat, (1.0 + beta[:, None]) * experts - beta[:, None] * amateur[None, :] + prior[:, None])
+    scores, winner = aggregate(s_hat, amateur, r, config)
+    if aggregation == "max":
+        assert torch.equal(scores, s_hat.max(dim=0).values)
+    else:
+        weights, log_p = torch.softmax(prior, dim=0), torch.log_softmax(s_hat, dim=-1)
+        reference = (torch.logsumexp(log_p + torch.log(weights)[:, None], dim=0) if aggregation == "moe"
+                     else torch.log_softmax((weights[:, None] * log_p).sum(dim=0), dim=-1))
+        assert torch.equal(scores, reference)
+    # r -> r^2 leaves the standardized rule's scores unchanged (up to float rounding)
+    scaled, _ = aggregate(calibrate(experts, amateur, beta, 2.0, r ** 2, "standardized"), amateur, r ** 2, config)
+    torch.testing.assert_close(scaled, scores, rtol=1e-5, atol=1e-5)
+
+
+def prior_seen(rule: ContrastiveRule, n_experts: int) -> torch.Tensor:
+    """The prior the rule adds at one step: expert rows of zeros and beta 0 make s_hat the prior itself."""
+    logits = torch.cat([torch.randn(1, 16), torch.zeros(n_experts, 16)])
+    rule.scores(logits)
+    return rule.last_s_hat[:, 0]
+
+
+@pytest.mark.parametrize("aggregation", ["max", "moe"])
+def test_standardized_prior_follows_set_relevance_and_add_expert(aggregation):
+    rule = ContrastiveRule(RuleConfig(beta=0.0, gamma=1.5, aggregation=aggregation, prior="standardized"),
+                           torch.tensor([0.9, 0.6, 0.5]))
+    first = prior_seen(rule, 3)
+    assert torch.equal(first, prior_term(torch.tensor([0.9, 0.6, 0.5]), 1.5, "standardized"))
+    rule.set_relevance(torch.tensor([0.9, 0.6, 0.85]))  # the answer so far made expert 3 relevant
+    second = prior_seen(rule, 3)
+    assert torch.equal(second, prior_term(torch.tensor([0.9, 0.6, 0.85]), 1.5, "standardized"))
+    assert second[2] > first[2] and not torch.equal(second, first)
+    rule.add_expert(0.95)  # a new best expert: everyone else moves down
+    third = prior_seen(rule, 4)
+    assert torch.equal(third, prior_term(torch.tensor([0.9, 0.6, 0.85, 0.95]), 1.5, "standardized"))
+    assert third[3] == 0.0 and third[0] < 0.0
+
+
+# --------------------------------------------------------------------------- the authors' library
+
+
+def library_get_jsd(p_logits, q_logits, eps: float = 1e-9):
+    """langchain-pced 0.2.0, langchain_pced/core/decode_cb.py:105-128, transcribed."""
+    p = torch.nn.functional.softmax(p_logits, dim=-1)
+    q = torch.nn.functional.softmax(q_logits, dim=-1)
+    p = p.reshape(-1, p.size(-1)).clamp_min(eps)
+    q = q.reshape(-1, q.size(-1)).clamp_min(eps)
+    m = (0.5 * (p + q)).clamp_min(eps).log()
+    return 0.5 * (torch.nn.functional.kl_div(m, p, reduction="none", log_target=False)
+                  + torch.nn.functional.kl_div(m, q, reduction="none", log_target=False))
+
+
+def library_decode(steps, relevance, gamma):
+    """decode_cb.py's greedy loop (beta=None, normalize=False): the bias at :205-209, the dynamic beta at
+    :245-250 (``if current_beta is None: current_beta = get_jsd(...).clamp(0, 1.0)``, likewise :386-390),
+    the calibration at :253 and the winner at :269-277; ``steps`` are each step's [N+1, V] logits."""
+    retrieval_bias = relevance.clamp_min(1e-12).log()
+    current_beta, chosen, calibrated_steps = None, [], []
+    for next_logits in steps:
+        amateur_logits = next_logits[0].unsqueeze(0)
+        expert_logits = next_logits[1:]
+        if current_beta is None:
+            current_beta = library_get_jsd(amateur_logits, expert_logits).clamp(0, 1.0)
+        calibrated_scores = (1 + current_beta) * expert_logits - current_beta * amateur_logits
+        best_scores_per_expert, best_tokens_per_expert = calibrated_scores.max(dim=-1)
+        best_scores_per_expert = best_scores_per_expert + gamma * retrieval_bias
+        winning_expert_idx = int(best_scores_per_expert.argmax().item())
+        chosen.append((int(best_tokens_per_expert[winning_expert_idx]), winning_expert_idx))
+        calibrated_steps.append(calibrated_scores + gamma * retrieval_bias[:, None])
+    return chosen, calibrated_steps
+
+
+def test_elementwise_beta_is_the_authors_library_frozen_at_the_first_step():
+    torch.manual_seed(3)
+    relevance, gamma = torch.tensor([0.8, 0.55, 0.3]), 2.5
+    steps = [torch.randn(4, 50) * 3 for _ in range(12)]  # every step's logits differ: a recomputed beta would too
+    expected, calibrated = library_decode(steps, relevance, gamma)
+    rule = ContrastiveRule(RuleConfig(beta="elementwise", gamma=gamma), relevance)
+    ours = []
+    for logits in steps:
+        choice = rule.choose(logits)
+        ours.append((choice.token, choice.winner))
+        # float32; the library clamps probabilities at 1e-9 where we take 0 log 0 = 0: within 1e-5
+        torch.testing.assert_close(rule.last_s_hat, calibrated[len(ours) - 1], rtol=0, atol=1e-5)
+    assert ours == expected
+    first = library_get_jsd(steps[0][0:1], steps[0][1:]).clamp(0, 1.0)
+    torch.testing.assert_close(rule.beta, first, rtol=0, atol=1e-6)
+    # the test can tell: a beta recomputed at every step would have chosen other tokens
+    recomputed = [int(torch.argmax(((1 + b) * s[1:] - b * s[0] + gamma * relevance.log()[:, None]).max(dim=0).values))
+                  for s in steps for b in [library_get_jsd(s[0:1], s[1:]).clamp(0, 1.0)]]
+    assert recomputed != [token for token, _ in expected]
+
+
+def test_an_expert_joining_mid_answer_gets_its_elementwise_beta_at_its_first_step():
+    torch.manual_seed(4)
+    steps = [torch.randn(3, 30) for _ in range(3)]
+    rule = ContrastiveRule(RuleConfig(beta="elementwise", gamma=1.0), torch.tensor([0.9, 0.5]))
+    rule.choose(steps[0])
+    before = rule.beta.clone()
+    rule.add_expert(0.7)
+    joined = torch.cat([steps[1], torch.randn(1, 30)])
+    rule.choose(joined)
+    assert rule.beta.shape == (3, 30) and torch.equal(rule.beta[:2], before)
+    torch.testing.assert_close(rule.beta[2], library_get_jsd(joined[0:1], joined[3:4]).clamp(0, 1.0)[0], rtol=0, atol=1e-6)
+    rule.choose(torch.cat([steps[2], torch.randn(1, 30)]))
+    assert torch.equal(rule.beta[:2], before)  # frozen, the joined row too

@@ -207,3 +207,40 @@ def test_health_reports_the_device_pool_it_answers_from(tmp_path_factory, tiny_l
         pool = client.get("/health").json()["kv_pool"]
     assert answers[0]["answer"] == answers[1]["answer"] == direct_answer(store, QUESTION, 3, 6)["answer"]
     assert pool["budget_bytes"] == 2**29 and pool["entries"] == 3 and pool["misses"] == 3 and pool["hits"] >= 3
+
+
+def test_server_takes_prior_and_ngram_in_the_pced_object(store):
+    from pced.documents import Candidate, Document
+
+    documents = [{"id": "a", "text": "Mira Quell founded the Zorblax company.", "score": 0.9},
+                 {"id": "b", "text": "Mira Quell was born in the town of Oskvale.", "score": 0.4}]
+    with TestClient(create_app(store), raise_server_exceptions=False) as client:
+        body = {"question": QUESTION, "documents": documents, "max_tokens": 16, "prior": "standardized",
+                "no_repeat_ngram": 2}
+        response = client.post("/v1/pced/answer", json=body)
+        assert response.status_code == 200, response.text
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": QUESTION}], "documents": documents, "max_tokens": 16,
+            "pced": {"prior": "standardized", "no_repeat_ngram": 2}})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == response.json()["answer"]
+        for bad in ({"prior": "nope"}, {"no_repeat_ngram": -1}, {"no_repeat_ngram": "3"}, {"no_repeat_ngram": 2.5}):
+            refused = client.post("/v1/pced/answer", json={"question": QUESTION, **bad})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_value", (bad, refused.text)
+    candidates = [Candidate(Document(d["id"], d["text"], ""), d["score"], {"given": d["score"]}) for d in documents]
+    direct = make_generation(store.generator, "pced", candidates, QUESTION, RuleConfig(prior="standardized"),
+                             SamplingConfig(max_new_tokens=16, no_repeat_ngram=2)).answer()
+    assert response.json()["answer"] == direct.text
+
+
+def test_the_page_asks_what_the_cli_asks(client):
+    from pced.options import METHODS, AskOptions
+
+    defaults = client.get("/defaults").json()
+    assert defaults == {"method": AskOptions.method, "methods": list(METHODS), "top_k": AskOptions.top_k,
+                        "max_top_k": Limits().max_top_k, "max_tokens": SamplingConfig().max_new_tokens,
+                        "max_tokens_limit": Limits().max_tokens}
+    page = client.get("/").text + client.get("/static/app.js").text
+    for field in ('id="top-k"', 'id="max-tokens"'):  # the form's inputs carry no value of their own
+        tag = page[page.index(field) - 40:page.index(field) + 80]
+        assert "value=" not in tag and "max=" not in tag, tag
+    assert "<option>" not in page and "|| 4" not in page and "|| 64" not in page

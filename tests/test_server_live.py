@@ -14,6 +14,8 @@ import httpx  # noqa: E402
 from pced.server import create_app  # noqa: E402
 from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
+pytestmark = pytest.mark.slow  # uvicorn on a real port, and a `pced serve` subprocess
+
 KEY = "test-key-123"
 
 

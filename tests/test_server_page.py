@@ -12,6 +12,8 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 import httpx  # noqa: E402
 
+from pced.options import METHODS, AskOptions  # noqa: E402
+from pced.sampling import SamplingConfig  # noqa: E402
 from pced.server import create_app  # noqa: E402
 from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 
@@ -20,7 +22,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOT_COPY = Path(__file__).resolve().parents[1] / "runs" / "server" / "page.png"
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason="no system chromium (apt-get install chromium)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason="no system chromium (apt-get install chromium)")]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,11 @@ def test_page_streams_an_answer_coloured_by_document(tmp_path, store):
             page.on("console", lambda msg: problems.append(msg.text) if msg.type == "error" else None)
             page.goto(f"{url}/")
             page.wait_for_function("document.getElementById('model').textContent.includes('documents')")
+            page.wait_for_function("document.getElementById('top-k').value !== ''")
+            # the form starts from what pced ask asks (AskOptions, SamplingConfig), not numbers of its own
+            assert page.input_value("#top-k") == str(AskOptions.top_k) and page.input_value("#method") == AskOptions.method
+            assert page.input_value("#max-tokens") == str(SamplingConfig().max_new_tokens)
+            assert page.eval_on_selector_all("#method option", "els => els.map(e => e.value)") == list(METHODS)
             page.fill("#question", QUESTION)
             page.fill("#top-k", "3")
             page.fill("#max-tokens", "24")
@@ -73,6 +80,52 @@ def test_page_streams_an_answer_coloured_by_document(tmp_path, store):
             assert shot.stat().st_size > 10_000
             SCREENSHOT_COPY.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(shot, SCREENSHOT_COPY)
+            assert not problems, problems
+        finally:
+            browser.close()
+
+
+def test_hovering_a_sentence_shows_its_sources(store):
+    with live_server(create_app(store)) as url, sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 760})
+            problems = []
+            page.on("pageerror", lambda exc: problems.append(str(exc)))
+            page.goto(f"{url}/")
+            page.wait_for_function("document.getElementById('model').textContent.includes('documents')")
+            # the page starts from the server's defaults, which are the library's (one default per setting)
+            assert page.input_value("#max-tokens") == str(SamplingConfig().max_new_tokens)
+            assert page.input_value("#top-k") == str(AskOptions.top_k)
+            page.fill("#question", QUESTION)
+            page.fill("#top-k", "3")
+            page.fill("#max-tokens", "24")
+            page.click("#ask")
+            page.wait_for_selector("body[data-state]", timeout=60_000)
+            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#status")
+            answer = httpx.post(f"{url}/v1/pced/answer", json={"question": QUESTION, "top_k": 3, "max_tokens": 24}).json()
+            titles = {e["doc_id"]: e["title"] for e in answer["experts"]}
+            sentences = page.eval_on_selector_all(
+                "#answer span.sentence",
+                "els => els.map(e => ({index: Number(e.dataset.index), sources: e.dataset.sources,"
+                " text: Array.from(e.querySelectorAll('.tok')).map(t => t.textContent).join('')}))")
+            cited = [c for c in answer["citations"] if c["text"].strip()]
+            assert [s["index"] for s in sentences] == list(range(len(cited)))
+            for sentence, citation in zip(sentences, cited):
+                assert sentence["text"].strip() == citation["text"]
+                assert sentence["sources"] == " ".join(citation["doc_ids"])
+            # the tokens are all still there, in order, with the sentence markers outside them
+            assert page.eval_on_selector_all("#answer span.tok", "els => els.map(e => e.textContent).join('')") == answer["answer"]
+            for i, citation in enumerate(cited):
+                page.hover(f"#answer span.sentence >> nth={i}")
+                shown = page.inner_text("#sources")
+                assert shown.startswith("Sources:")
+                for doc_id in citation["doc_ids"]:
+                    assert doc_id in shown and titles[doc_id] in shown
+                if not citation["doc_ids"]:
+                    assert "none" in shown
+            marks = page.eval_on_selector_all("#answer sup.cite", "els => els.length")
+            assert marks == sum(len(c["doc_ids"]) for c in cited) > 0
             assert not problems, problems
         finally:
             browser.close()

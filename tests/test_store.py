@@ -31,6 +31,7 @@ def kv_files(store: Path):
     return sorted((store / "kv" / "kv").rglob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_index_then_ask_json_end_to_end(tmp_path, tiny_model_dir):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
     store = tmp_path / "store"
@@ -64,12 +65,13 @@ def test_index_then_ask_json_end_to_end(tmp_path, tiny_model_dir):
         assert json.loads(result.stdout.strip().splitlines()[-1])["method"] == method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "lines,message",
     [
         ([CORPUS[0], CORPUS[0]], "duplicate id 'zorblax'"),
         ([CORPUS[0], "{oops"], "invalid JSON"),
-        ([{"title": "x", "text": "no id"}], "needs 'id' and 'text'"),
+        ([{"name": "x", "body": "no id"}], "fits no corpus shape"),
         ([{"id": "e", "text": "   "}], "no documents"),
     ],
 )
@@ -149,6 +151,7 @@ def test_demo_question_path_runs_on_a_store(tmp_path, tiny_llm):
     assert generation.rule_config.gamma == 2.5  # the tiny store's model is a plain llama: the paper's gamma
 
 
+@pytest.mark.slow
 def test_store_refuses_another_model_or_embedder(tmp_path, tiny_llm, embedded_llm):
     docs = [Document("a", "Alpha text."), Document("b", "Beta text.")]
     index_store(docs, tmp_path / "s", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
@@ -164,6 +167,7 @@ def test_store_refuses_another_model_or_embedder(tmp_path, tiny_llm, embedded_ll
         index_store(docs, tmp_path / "other", IndexSettings(model=str(tiny_llm.path)), llm=tiny_llm, progress=False)
 
 
+@pytest.mark.slow
 def test_killed_index_run_completes_on_rerun(tmp_path, tiny_model_dir):
     records = [{"id": f"d{i}", "text": f"Document {i} says that item {i} is kept in room {i * 7 % 13}. " * 8} for i in range(60)]
     corpus = write_jsonl(tmp_path / "corpus.jsonl", records)

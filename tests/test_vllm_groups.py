@@ -168,3 +168,10 @@ def test_unsupported_requests_are_refused():
         GroupMember.from_args({"pced": {"group": "x"}})
     assert check_params(params()) is None and GroupMember.from_args(member.to_args()) == member
     assert AMATEUR == -1
+
+
+def test_vllm_group_members_carry_the_prior():
+    from pced.backends.vllm.groups import GroupMember
+
+    member = GroupMember("q", 1, (0.9, 0.5), RuleConfig(prior="standardized"))
+    assert GroupMember.from_args(member.to_args()) == member

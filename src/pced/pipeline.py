@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 from .answers import Answer, Step, answer_json
 from .decoding import Generation
 from .documents import Candidate
-from .methods import make_generation
+from .methods import start
 from .options import AskOptions, check_question
 
 
@@ -68,15 +68,7 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
     candidates = list(candidates)
     if options.method == "pced":
         candidates = prune_candidates(candidates, rule.gamma, options.max_experts, options.prune_margin)
-    if options.backend == "vllm":
-        from .backends.vllm.engine import VLLMGeneration, shared_engine
-
-        generation = VLLMGeneration(shared_engine(generator.llm.path, options.vllm), generator.llm, generator.builder, candidates,
-                                    question, rule, options.sampling)
-    else:
-        generation = make_generation(generator, options.method, candidates, question, rule, options.sampling,
-                                     options.ape_temperature, options.ape_scale, options.summary_tokens,
-                                     follow_for(retrieve, generator, question, options))
+    generation = start(generator, candidates, question, options, rule, follow_for(retrieve, generator, question, options))
     return Asked(question, candidates, retrieval_s, generation)
 
 

@@ -34,9 +34,11 @@ Aggregation into one vocabulary score ``a[v]`` (greedy picks argmax a, sampling 
 beta:
 - ``"dynamic"`` (paper, AdaCAD): beta_k = JSD(softmax(s_k) || softmax(s0)) at the first generated
   step (natural log, summed over the vocabulary, so 0 <= beta_k <= ln 2), frozen afterwards.
-- ``"elementwise"``: the authors' library variant as we read it: at every step and for every
-  vocabulary entry v, beta_k[v] = clamp(0.5 p_k[v] log(p_k[v]/m[v]) + 0.5 p0[v] log(p0[v]/m[v]), 0, 1)
-  with m = (p_k + p0)/2, i.e. the JSD's element-wise terms, a per-token beta.
+- ``"elementwise"``: the authors' library (langchain-pced 0.2.0, ``core/decode_cb.py``: ``if
+  current_beta is None: current_beta = get_jsd(...).clamp(0, 1.0)``): for every vocabulary entry v,
+  beta_k[v] = clamp(0.5 p_k[v] log(p_k[v]/m[v]) + 0.5 p0[v] log(p0[v]/m[v]), 0, 1) with
+  m = (p_k + p0)/2, i.e. the JSD's element-wise terms, a per-token beta; like the dynamic beta it
+  is computed at the first generated step and frozen afterwards.
 - a float: fixed beta for every expert.
 """
 
@@ -99,6 +101,13 @@ def jsd_terms(expert_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torc
     log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
     terms = 0.5 * p * (log_p - log_m) + 0.5 * q * (log_q - log_m)
     return torch.nan_to_num(terms, nan=0.0)
+
+
+def learned_beta(mode: str, expert_scores: torch.Tensor, amateur_scores: torch.Tensor) -> torch.Tensor:
+    """beta from one step's scores: ``dynamic`` [N] (the JSD), ``elementwise`` [N, V] (its terms, clamped to [0, 1])."""
+    if mode == "dynamic":
+        return js_divergence(expert_scores, amateur_scores)
+    return jsd_terms(expert_scores, amateur_scores).clamp(0.0, 1.0)
 
 
 def _clipped_log(relevance: torch.Tensor) -> torch.Tensor:
@@ -207,10 +216,11 @@ class ContrastiveRule:
         first step it takes part in, then frozen, as the others' were at theirs."""
         self.relevance = torch.cat([self.relevance, self.relevance.new_tensor([relevance])])
         self._prior = None
-        if self.beta is not None and self.beta.dim() == 1:
-            value = float("nan") if self.config.beta == "dynamic" else float(self.config.beta)
-            self.beta = torch.cat([self.beta, self.beta.new_tensor([value])])
-            self._beta_pending = self.config.beta == "dynamic"
+        if self.beta is not None:
+            learned = self.config.beta in BETA_MODES  # dynamic or element-wise: NaN until its first step
+            value = float("nan") if learned else float(self.config.beta)
+            self.beta = torch.cat([self.beta, self.beta.new_full((1, *self.beta.shape[1:]), value)])
+            self._beta_pending = learned
 
     def set_relevance(self, relevance: torch.Tensor) -> None:
         """Decode-time relevance: new r_k for the experts, from the next step on."""
@@ -220,7 +230,7 @@ class ContrastiveRule:
         self._prior = None
 
     def betas(self) -> list[float]:
-        """One beta per expert (mean over the vocabulary for the element-wise variant's last step)."""
+        """One beta per expert (for the element-wise variant: its mean over the vocabulary)."""
         if self.beta is None:
             return []
         return [float(b) for b in (self.beta if self.beta.dim() == 1 else self.beta.mean(dim=-1))]
@@ -231,15 +241,14 @@ class ContrastiveRule:
         if logits.shape[0] == 1:  # no documents: the amateur alone decides
             return amateur, lambda token: AMATEUR
         experts = to_score_space(logits[1:], self.config.score_space)
-        if self.config.beta == "dynamic" and self.beta is None:
-            self.beta = js_divergence(experts, amateur)
-        elif self.config.beta == "dynamic" and self._beta_pending:  # experts that joined mid-answer
-            pending = torch.isnan(self.beta)
+        if self.config.beta in BETA_MODES and self.beta is None:  # the first generated step: frozen from here on
+            self.beta = learned_beta(self.config.beta, experts, amateur)
+        elif self._beta_pending:  # experts that joined mid-answer, at the first step they take part in
+            pending = torch.isnan(self.beta.reshape(len(self.beta), -1)[:, 0])
             self.beta = self.beta.clone()
-            self.beta[pending] = js_divergence(experts[pending.to(experts.device)], amateur).to(self.beta.device)
+            rows = learned_beta(self.config.beta, experts[pending.to(experts.device)], amateur)
+            self.beta[pending] = rows.to(self.beta.device)
             self._beta_pending = False
-        elif self.config.beta == "elementwise":
-            self.beta = jsd_terms(experts, amateur).clamp(0.0, 1.0)
         if self.beta.device != experts.device:  # a fixed beta: moved once, not at every step
             self.beta = self.beta.to(experts.device)
         if self._prior is None or self._prior.device != experts.device:

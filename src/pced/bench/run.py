@@ -153,7 +153,7 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
 
 
 def peer_inputs(llm: LoadedModel, cfg: BenchConfig, prompts: list[dict]) -> dict:
-    """What ``scripts/peer_langchain_pced.py`` needs to time the authors' implementation on exactly
+    """What ``experiments/peer_langchain_pced.py`` needs to time the authors' implementation on exactly
     this run's model, documents and question, in its own environment (it imports nothing of pced)."""
     folder = Path(llm.path)
     return {

@@ -6,16 +6,38 @@ Imports point one way: this module imports the subcommands, the subcommands impo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .bench import add_bench_parser
+from .chat import add_chat_parser
 from .common import InputError
 from .eval import add_eval_parser
+from .offline import force_offline
 from .generate import add_generate_parser
 from .serve import add_serve_parser
+from .store_admin import add_store_parser
 from .store import add_ask_parser, add_demo_parser, add_index_parser, add_verify_parser
 
 __all__ = ["InputError", "build_parser", "main"]
+
+
+THREADS_HELP = "CPU threads for the model (default: see README \"Threads\")"
+
+
+def add_global_options(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    """Options every command takes, before or after the subcommand (``pced --threads 2 serve`` and
+    ``pced serve --threads 2``). Below the top, the default is SUPPRESS, so a subcommand that does
+    not see the option keeps what the top level parsed."""
+    parser.add_argument("--threads", type=int, default=None if top else argparse.SUPPRESS, help=THREADS_HELP)
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield child
+                yield from _leaf_parsers(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,19 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pced", description="Parallel Context-of-Experts Decoding for RAG")
     parser.add_argument("--version", action="version", version=f"pced {__version__}")
+    add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_generate_parser(sub)
     add_index_parser(sub)
     add_ask_parser(sub)
+    add_chat_parser(sub)
     add_demo_parser(sub)
     add_verify_parser(sub)
+    add_store_parser(sub)
     add_serve_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)
-    for command in sub.choices.values():
-        command.add_argument("--threads", type=int, default=None,
-                             help="CPU threads for the model (default: see README \"Threads\")")
+    for command in _leaf_parsers(parser):
+        add_global_options(command)
     return parser
 
 
@@ -51,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    force_offline()
     try:
         configure_threads(args.threads)
         return args.func(args)
@@ -58,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             ValueError) as exc:
         print(f"pced: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # pced store list STORE | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""
         print(f"pced: error: {exc.strerror or exc}{where}", file=sys.stderr)

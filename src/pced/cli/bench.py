@@ -40,7 +40,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-resident", action="store_true", help="skip the runs with caches resident on the device")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
-    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--out", default=DEFAULTS.out)
     p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
     p.add_argument("--random-model", default=None, metavar="SHAPE",
                    help="time a random-weight model of this architecture instead: llama-3.1-8b, llama-3.2-1b, "

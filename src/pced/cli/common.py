@@ -7,7 +7,7 @@ import argparse
 
 from ..sampling import SamplingConfig
 from ..kv.tiers import CacheTiers
-from ..options import BACKENDS, METHODS, RETRIEVERS, AskOptions, VLLMSettings
+from ..options import BACKENDS, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, VLLMSettings, family_defaults
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
@@ -62,17 +62,19 @@ def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding (unset rule settings: the model family's rule)")
     group.add_argument("--beta", type=parse_beta, default=AskOptions.beta,
-                       help="dynamic (AdaCAD, the paper's), elementwise, or a number")
+                       help="dynamic (AdaCAD, the paper's), elementwise (the authors' library: per-token JSD terms, frozen at the first step), or a number")
     group.add_argument("--gamma", type=float, default=AskOptions.gamma,
                        help="weight of the retrieval prior gamma*log r (default: the model family's measured value, "
-                            "32 for the embedded SmolLM2; the paper's 2.5 otherwise or with --paper-defaults)")
-    group.add_argument("--paper-defaults", action="store_true", help="unset settings from the paper's rule (gamma 2.5)")
+                            f"{family_defaults('gamma')} or with --paper-defaults)")
+    group.add_argument("--paper-defaults", action="store_true",
+                       help=f"unset settings from the paper's rule (gamma {PAPER_RULE.gamma:g})")
     group.add_argument("--aggregation", choices=AGGREGATIONS, default=AskOptions.aggregation, help="max (the paper's), moe, poe")
     group.add_argument("--score-space", choices=SCORE_SPACES, default=AskOptions.score_space, help="logits (the paper's) or logprobs")
     group.add_argument("--prior", choices=PRIORS, default=AskOptions.prior,
                        help=f"the retrieval prior: log (gamma*log r, the paper's; default {RuleConfig.prior}) or standardized "
                             "(gamma*(log r - best log r)/spread of the question's log r: one gamma for every retriever)")
-    group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
+    group.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens,
+                       help=f"tokens per answer (default {SAMPLING.max_new_tokens}; the API's max_tokens)")
     group.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy (default)")
     group.add_argument("--sample-top-k", dest="sample_top_k", type=int, default=SAMPLING.top_k,
                        help="sampling: keep the k best tokens")

@@ -12,7 +12,9 @@ import math
 
 from ..sampling import SamplingConfig
 from ..evaluation.config import EvalConfig
-from ..options import STORAGE_DTYPES, AskOptions
+from ..options import METHODS, RETRIEVERS, STORAGE_DTYPES
+
+EVAL = EvalConfig(dataset="")  # the defaults of an evaluation run
 from .common import InputError, add_model_options
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
@@ -26,20 +28,24 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--dataset", required=True,
                    help="hotpotqa, musique, nq, bbh-date, bbh-web-of-lies, bbh-tracking7, secret-code, "
                         "a LOFT directory (corpus.jsonl + *_queries.jsonl) or a LongBench .jsonl")
-    p.add_argument("--methods", default="pced", help="comma list of pced, all, single, ape, mapreduce (default pced)")
+    p.add_argument("--methods", default=",".join(EVAL.methods),
+                   help=f"comma list of {', '.join(METHODS)} (default {','.join(EVAL.methods)})")
     p.add_argument("--limit", default=None, help="first N examples (default: all)")
     p.add_argument("--setting", default=None, help="distractor or corpus (default: the dataset's own)")
-    p.add_argument("--retriever", default="hybrid", help="hybrid (default), sparse, dense, colbert (needs --bge-m3)")
+    p.add_argument("--retriever", default=EVAL.retriever,
+                   help=f"{', '.join(RETRIEVERS)} (default {EVAL.retriever}); colbert needs --bge-m3")
     p.add_argument("--relevance", default=None,
                    help="PCED only: take r_k from these retrievers for the same candidates (the paper's "
                         f"PCED-Sparse/-Dense/-ColBERT; default: --retriever's); {SWEEP_HELP}")
     p.add_argument("--follow", default=None,
                    help="PCED decode-time relevance: off, rescore, join, rescore+join (the answer so far ranks "
                         f"the documents again; see README); {SWEEP_HELP}")
-    p.add_argument("--max-joins", type=int, default=EvalConfig.max_joins,
-                   help=f"experts that may join per answer with --follow join (default {EvalConfig.max_joins})")
-    p.add_argument("--top-k", dest="top_k", default="8", help=f"experts / documents per question (default 8); {SWEEP_HELP}")
-    p.add_argument("--top-n", dest="top_n", default="90", help="corpus setting: candidates retrieved before the cut (default 90)")
+    p.add_argument("--max-joins", type=int, default=EVAL.max_joins,
+                   help=f"experts that may join per answer with --follow join (default {EVAL.max_joins})")
+    top_k = ",".join(map(str, EVAL.top_k))
+    p.add_argument("--top-k", dest="top_k", default=top_k, help=f"experts / documents per question (default {top_k}); {SWEEP_HELP}")
+    p.add_argument("--top-n", dest="top_n", default=str(EVAL.top_n),
+                   help=f"corpus setting: candidates retrieved before the cut (default {EVAL.top_n})")
     p.add_argument("--beta", default=None, help=f"dynamic, elementwise or numbers; {SWEEP_HELP}")
     p.add_argument("--gamma", default=None, help=f"retrieval prior weight(s); {SWEEP_HELP}")
     p.add_argument("--aggregation", default=None, help=f"max, moe, poe; {SWEEP_HELP}")
@@ -51,19 +57,21 @@ def add_eval_parser(sub) -> None:
                         f"{SamplingConfig.no_repeat_ngram}); {SWEEP_HELP}")
     p.add_argument("--paper-defaults", action="store_true",
                    help="unset PCED settings from the paper's rule (default: the per-model-family defaults)")
-    p.add_argument("--max-new-tokens", default="32", help="default 32")
-    p.add_argument("--seed", default="42", help="default 42")
+    p.add_argument("--max-new-tokens", default=str(EVAL.max_new_tokens),
+                   help=f"tokens per answer (default {EVAL.max_new_tokens})")
+    p.add_argument("--seed", default=str(EVAL.seed), help=f"default {EVAL.seed}")
     p.add_argument("--data-dir", default=None, help="shared data folder (default: $PCED_DATA_DIR or ../shared/data)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<dataset>)")
     p.add_argument("--work-dir", default=None,
                    help="document store folder (default runs/stores/<dataset>-<setting>-<model>-<template>)")
     p.add_argument("--bge-m3", default=None, help="local BGE-M3: sparse/dense/ColBERT relevance (the paper's variants)")
     p.add_argument("--reranker", default=None, help="local cross-encoder / bge-reranker: rerank and fuse relevance")
-    p.add_argument("--storage-dtype", default=EvalConfig.storage_dtype,
-                   help=f"KV cache dtype on disk: {', '.join(STORAGE_DTYPES)} (default {EvalConfig.storage_dtype})")
-    p.add_argument("--max-doc-tokens", default="1024", help="longer documents are split into chunks (default 1024)")
+    p.add_argument("--storage-dtype", default=EVAL.storage_dtype,
+                   help=f"KV cache dtype on disk: {', '.join(STORAGE_DTYPES)} (default {EVAL.storage_dtype})")
+    p.add_argument("--max-doc-tokens", default=str(EVAL.max_doc_tokens),
+                   help=f"longer documents are split into chunks (default {EVAL.max_doc_tokens})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--backend", default=AskOptions.backend,
+    p.add_argument("--backend", default=EVAL.backend,
                    help="transformers (default) or vllm: PCED's runs on vLLM (needs pip install 'pced[vllm]'); baselines on transformers")
     add_model_options(p)
     p.set_defaults(func=cmd_eval)

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..answers import Answer
+from ..citations import Citation, cite_answer, sources
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
 AMATEUR_STYLE = "dim"
@@ -36,20 +37,40 @@ def legend(answer: Answer, candidates: Sequence, titles: bool = True) -> Text:
     return text
 
 
+def cited_answer(answer: Answer, citations: Sequence[Citation], candidates: Sequence) -> Text:
+    """The answer with a numbered marker after each sentence ([1], [2]: its sources), then the
+    sources list; user and document text is appended literally, never read as markup."""
+    numbers = {doc_id: n for n, doc_id in enumerate(sources(citations), start=1)}
+    titles = {c.document.id: c.document.title for c in candidates}
+    styles = doc_styles([c.document.id for c in candidates])
+    text, position = Text(), 0
+    for citation in citations:
+        text.append(answer.text[position:citation.end])
+        for doc_id in citation.doc_ids:
+            text.append(f"[{numbers[doc_id]}]", style=styles.get(doc_id, "bold"))
+        position = citation.end
+    text.append(answer.text[position:] + "\nSources:\n")
+    for doc_id, number in numbers.items():
+        text.append(f"  [{number}] ", style=styles.get(doc_id, "bold"))
+        text.append(doc_id + (f"  {titles[doc_id]}" if titles.get(doc_id) else "") + "\n")
+    return text
 
 
 def stream_answer(generation, candidates: Sequence, question: str, console: Console | None = None) -> Answer:
     """Print the question, then each token as it is chosen, coloured by its document; then the legend."""
     console = console or Console(highlight=False)
     styles = doc_styles([c.document.id for c in candidates])
-    console.print(f"[bold]Q:[/bold] {question}")
-    console.print("[bold]A:[/bold] ", end="")
+    console.print(Text.assemble(("Q: ", "bold"), question))
+    console.print(Text("A: ", style="bold"), end="")
     for step in generation:
         console.print(Text(step.text, style=styles.get(step.doc_id, AMATEUR_STYLE) + " bold"), end="")
     console.print()
     answer = generation.answer()
     if answer.amateur_only:
         console.print("[dim](no documents: answered from the model alone)[/dim]")
+    citations = cite_answer(answer)
+    if any(c.doc_ids for c in citations):
+        console.print(Text("Cited: ", style="bold") + cited_answer(answer, citations, candidates), end="")
     if answer.method == "pced":
         console.print(legend(answer, candidates), end="")
     else:

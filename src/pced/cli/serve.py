@@ -26,8 +26,9 @@ def add_serve_parser(sub) -> None:
     limits = p.add_argument_group("limits")
     limits.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
                         help=f"largest request body (default {defaults.max_body_bytes} bytes)")
-    limits.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                        help=f"largest max_tokens a request may ask (default {defaults.max_tokens})")
+    limits.add_argument("--max-tokens-limit", "--max-tokens", dest="max_tokens", type=int, default=defaults.max_tokens,
+                        help=f"largest max_tokens a request may ask (default {defaults.max_tokens}); a limit, not the "
+                             f"default length ({defaults.default_max_tokens}, SamplingConfig.max_new_tokens)")
     limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
                         help=f"requests queued or running before 503 (default {defaults.max_queue})")
     limits.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent,
@@ -57,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be between 0 and 65535, got {args.port}")
     for name in ("max_body_bytes", "max_tokens", "max_queue", "max_documents", "max_concurrent"):
         if getattr(args, name) < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+            flag = "max-tokens-limit" if name == "max_tokens" else name.replace("_", "-")
+            raise InputError(f"--{flag} must be at least 1")
     if not (math.isfinite(args.request_cache_gb) and args.request_cache_gb > 0):
         raise InputError(f"--request-cache-gb must be a number > 0, got {args.request_cache_gb}")
     try:

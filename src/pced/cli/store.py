@@ -25,7 +25,9 @@ def add_index_parser(sub) -> None:
 
     defaults = IndexSettings()
     p = sub.add_parser("index", help="build or extend a document store (retrieval indexes + KV caches)")
-    p.add_argument("corpus", help='JSONL: {"id", "text", "title"?} or LOFT {"pid", "title_text", "passage_text"} per line')
+    p.add_argument("corpus", help='JSON Lines or a JSON document (.gz too), chosen by content: {"id", "text", "title"?}, '
+                   'LOFT {"pid", "passage_text", "title_text"?}, {"title", "text"}, or HotpotQA / MuSiQue / NQ '
+                   'question or corpus files (every paragraph once)')
     p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
     p.add_argument("--model", default=None, help="local Hugging Face causal LM (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
@@ -46,8 +48,12 @@ def add_index_parser(sub) -> None:
 def add_ask_parser(sub) -> None:
     p = sub.add_parser("ask", help="answer a question from a store")
     p.add_argument("store", help="store directory built by pced index")
-    p.add_argument("question")
+    p.add_argument("question", nargs="?", help="the question (or --questions FILE)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the DESIGN.md contract)")
+    p.add_argument("--questions", metavar="FILE", default=None,
+                   help='answer every question of FILE (one a line, or JSON Lines {"id", "question"}) with the model '
+                        "loaded once; writes JSON Lines: the --json object plus id")
+    p.add_argument("--out", default=None, help="with --questions: write the JSON Lines here (default: stdout)")
     p.add_argument("--trace-png", default=None, help="save the expert-trace picture to this PNG")
     add_retrieval_options(p)
     add_model_options(p)
@@ -64,10 +70,14 @@ def add_demo_parser(sub) -> None:
 
 def add_verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="check every stored KV cache of a store (checksums, shapes, finiteness)")
+    add_verify_arguments(p)
+    p.set_defaults(func=cmd_verify)
+
+
+def add_verify_arguments(p) -> None:
     p.add_argument("store", help="store directory built by pced index")
     p.add_argument("--remove", action="store_true",
                    help="delete damaged cache files, so that the next pced index (or a lazy store's answer) re-encodes them")
-    p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -118,6 +128,14 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     from ..pipeline import ask
 
+    if args.questions is not None:
+        from .batch import cmd_ask_many
+
+        return cmd_ask_many(args)
+    if args.question is None:
+        raise InputError("give a question, or --questions FILE")
+    if args.out:
+        raise InputError("--out goes with --questions (one answer prints to stdout)")
     check_question(args.question)
     options = ask_options_from(args)  # bad settings fail before any model loads
     asked = ask(open_store(args), args.question, options)

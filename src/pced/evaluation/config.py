@@ -11,6 +11,7 @@ from pced.sampling import SamplingConfig
 from pced.kv.tiers import CacheTiers
 from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
+from pced.store.layout import IndexSettings
 
 class EvalError(ValueError):
     """Bad evaluation settings or an output folder of another run; one line for the CLI."""
@@ -37,8 +38,8 @@ class EvalConfig:
     prior: Sequence[str] | None = None
     no_repeat_ngram: Sequence[int] | None = None  # every method's runs (None: SamplingConfig's, off)
     paper_defaults: bool = False
-    max_new_tokens: int = 32
-    seed: int = 42
+    max_new_tokens: int = SamplingConfig.max_new_tokens
+    seed: int = 42  # dataset shuffles and sampled baselines
     top_n: int = AskOptions.top_n
     data_dir: str | None = None
     out: str | None = None
@@ -47,7 +48,7 @@ class EvalConfig:
     reranker: str | None = None
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     gpu_cache_gb: float = CacheTiers.gpu_cache_gb  # document caches kept on the device between questions
-    max_doc_tokens: int = 1024  # IndexSettings.max_doc_tokens
+    max_doc_tokens: int = IndexSettings.max_doc_tokens
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
     follow: Sequence[str] | None = None  # PCED decode-time relevance modes to sweep (None: off only)

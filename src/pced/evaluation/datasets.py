@@ -12,11 +12,11 @@ so their ids are ``"{title}#{sha1(title, text)[:8]}"``, a content id that needs 
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
+from pced.corpus_formats import content_doc_id  # one id rule for pced eval and pced index
 from pced.documents import Document
 from pced.evaluation.loft import load_loft_dir
 from pced.evaluation.longbench import load_longbench
@@ -201,12 +201,6 @@ def _data_file(root: Path, name: str, *relative: str) -> Path:
     if not path.is_file():
         raise DatasetError(f"{name}: expected file {path} is missing (data dir {root})")
     return path
-
-
-def content_doc_id(title: str, text: str) -> str:
-    """A stable id for a passage whose title is not unique: title plus a short content hash."""
-    digest = hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:8]
-    return f"{title}#{digest}"
 
 
 def _take(rows: list[Any], limit: int | None) -> list[Any]:

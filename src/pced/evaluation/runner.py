@@ -115,7 +115,7 @@ def seed_everything(seed: int) -> None:
 
 def run_eval(config: EvalConfig, llm=None) -> dict:
     """Run (or resume) an evaluation; returns the summary written to ``<out>/summary.json``."""
-    from pced.defaults import resolve_rule
+    from pced.options import resolve_rule
     from pced.llm import ModelLoadError, load_model
 
     config = validate(config)

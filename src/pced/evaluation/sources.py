@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from pced.defaults import EMBEDDED, EMBEDDED_NAME
+from pced.options import EMBEDDED, EMBEDDED_NAME
 from pced.documents import Candidate
 from pced.evaluation.config import EvalConfig, EvalError
 from pced.evaluation.datasets import Dataset, Example

@@ -1,20 +1,68 @@
 """The methods: pced and the baselines (all, single, ape, mapreduce), each a ``Generation`` built
 from rows of the backend and a scoring, so that the CLI, server, eval and bench treat them alike.
 
-All methods share the same candidates (ranked order), templates and sampling settings.
+``start`` is the one place where a question's backend and method are chosen. All methods share the
+same candidates (ranked order), templates and sampling settings.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import replace
+from typing import Callable, Sequence
 
-from ..sampling import SamplingConfig
 from ..decoding import Generation
 from ..documents import Candidate
 from ..options import AskOptions, check_method
 from ..rule import RuleConfig
+from ..sampling import SamplingConfig
 
-__all__ = ["make_generation", "check_method"]
+__all__ = ["BUILDERS", "check_method", "make_generation", "start"]
+
+
+def _pced(generator, candidates, question, rule, options, follow) -> Generation:
+    from .pced import pced_from_store
+
+    return pced_from_store(generator.llm, generator.caches, candidates, question, rule, options.sampling, follow)
+
+
+def _concatenated(generator, candidates, question, rule, options, follow) -> Generation:
+    from .concat import PlainGeneration
+
+    texts = [c.document.render() for c in candidates]
+    chosen = texts if options.method == "all" else texts[:1]
+    return PlainGeneration(generator.llm, generator.builder.prompt_ids(chosen, question), options.sampling, method=options.method)
+
+
+def _ape(generator, candidates, question, rule, options, follow) -> Generation:
+    from .ape import ape_from_store
+
+    return ape_from_store(generator.llm, generator.caches, [c.document.render() for c in candidates], question,
+                          options.sampling, options.ape_temperature, options.ape_scale)
+
+
+def _mapreduce(generator, candidates, question, rule, options, follow) -> Generation:
+    from .mapreduce import MapReduceGeneration
+
+    return MapReduceGeneration(generator.llm, generator.builder, [c.document.render() for c in candidates], question,
+                               options.sampling, options.summary_tokens)
+
+
+# method -> how it is built on the transformers backend, from a Generator's model, prompt builder and KV store
+BUILDERS: dict[str, Callable[..., Generation]] = {"pced": _pced, "all": _concatenated, "single": _concatenated,
+                                                  "ape": _ape, "mapreduce": _mapreduce}
+
+
+def start(generator, candidates: Sequence[Candidate], question: str, options: AskOptions, rule: RuleConfig | None = None,
+          follow=None) -> Generation:
+    """``options.method`` on ``options.backend`` over ``candidates``, with ``generator``'s model, prompt
+    builder and KV store (a ``pced.generator.Generator``); ``rule`` None is the model family's rule;
+    ``follow`` (PCED only) is decode-time relevance (``methods.follow``)."""
+    if options.backend == "vllm":  # PCED only (AskOptions refuses the rest)
+        from ..backends.vllm.engine import VLLMGeneration, shared_engine
+
+        return VLLMGeneration(shared_engine(generator.llm.path, options.vllm), generator.llm, generator.builder, candidates,
+                              question, rule if rule is not None else options.rule(generator.llm), options.sampling)
+    return BUILDERS[check_method(options.method)](generator, list(candidates), question, rule, options, follow)
 
 
 def make_generation(
@@ -29,22 +77,7 @@ def make_generation(
     summary_tokens: int = AskOptions.summary_tokens,
     follow=None,
 ) -> Generation:
-    """``method`` over ``candidates`` with ``generator`` (a ``pced.generator.Generator``); ``rule`` None is the
-    model family's rule (``pced.defaults.resolve_rule``); ``follow`` (PCED only) is decode-time
-    relevance (``methods.follow``)."""
-    check_method(method)
-    texts = [c.document.render() for c in candidates]
-    if method == "pced":
-        return generator.stream(candidates, question, rule, sampling, follow)
-    if method in ("all", "single"):
-        from .concat import PlainGeneration
-
-        chosen = texts if method == "all" else texts[:1]
-        return PlainGeneration(generator.llm, generator.builder.prompt_ids(chosen, question), sampling, method=method)
-    if method == "ape":
-        from .ape import ape_from_store
-
-        return ape_from_store(generator.llm, generator.caches, texts, question, sampling, ape_temperature, ape_scale)
-    from .mapreduce import MapReduceGeneration
-
-    return MapReduceGeneration(generator.llm, generator.builder, texts, question, sampling, summary_tokens)
+    """``start`` on the transformers backend with these settings, the rest ``AskOptions``'."""
+    options = replace(AskOptions(), method=check_method(method), sampling=sampling, ape_temperature=ape_temperature,
+                      ape_scale=ape_scale, summary_tokens=summary_tokens)
+    return start(generator, candidates, question, options, rule, follow)

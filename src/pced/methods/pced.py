@@ -12,8 +12,9 @@ from ..sampling import SamplingConfig
 from ..backends.rows import ExpertRows
 from ..decoding import ContrastiveScoring, Generation
 from ..documents import Candidate
-from ..defaults import resolve_rule
+from ..options import resolve_rule
 from ..kv.segment import DocKV
+from ..kv.store import KVStore
 from ..llm import LoadedModel
 from ..rule import RuleConfig
 from .follow import Follow
@@ -72,6 +73,22 @@ class PCEDGeneration(Generation):
 
     def step_relevance(self) -> list[float] | None:
         return None if self.follow is None else self.scoring.rule.relevance.tolist()
+
+
+def pced_from_store(
+    llm: LoadedModel,
+    store: KVStore,
+    candidates: Sequence[Candidate],
+    question: str,
+    rule: RuleConfig | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    follow: Follow | None = None,
+) -> PCEDGeneration:
+    """A PCEDGeneration over candidates (ranked order), encoding any document not yet in ``store``."""
+    digests = store.add([c.document.render() for c in candidates], progress=False)
+    experts = [Expert(c.document.id, c.relevance, lambda d=digest: store.load(d)) for c, digest in zip(candidates, digests)]
+    return PCEDGeneration(llm, store.prefix(), experts, store.builder.suffix_ids(question, with_context=True),
+                          store.builder.suffix_ids(question, with_context=False), rule, sampling, follow)
 
 
 def generate(*args, **kwargs) -> Answer:

@@ -2,7 +2,7 @@
 
 pced never downloads a model (DESIGN: no network at run time). A string such as
 ``"BAAI/bge-m3"`` would make transformers reach for the hub, so every loader first checks
-that it was given an existing directory and forces the hub libraries offline.
+that it was given an existing directory, and loads it with ``local_files_only=True``.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pced.offline import force_offline
-
-__all__ = ["EMBEDDED_MINILM", "force_offline", "local_model_dir", "model_reference"]
+__all__ = ["EMBEDDED_MINILM", "local_model_dir", "model_reference"]
 
 EMBEDDED_MINILM = "embedded:all-MiniLM-L6-v2"
 

@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pced.documents import Document
+from pced.options import AskOptions
 from pced.retrieval.storage import load_json, save_json
 
-DEFAULT_TOP_N = 90  # the paper's candidate pool per query
+DEFAULT_TOP_N = AskOptions.top_n  # the paper's candidate pool per query
 IDS_FILE = "doc_ids.json"
 QUERY_CHUNK = 32  # queries scored at once: bounds the [queries, corpus] score matrix
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pced.retrieval._local_models import force_offline, local_model_dir
+from pced.retrieval._local_models import local_model_dir
 from pced.retrieval.storage import library_versions, model_fingerprint
 
 COLBERT_HEAD = "colbert_linear"
@@ -87,7 +87,6 @@ class BGEM3Encoder:
 
     def __init__(self, model_path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
                  batch_size: int = 16, max_length: int = 512, query_max_length: int = 512) -> None:
-        force_offline()
         import torch
         from transformers import AutoModel, AutoTokenizer
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from pced.retrieval._local_models import (
     EMBEDDED_MINILM,
-    force_offline,
     local_model_dir,
     model_reference,
 )
@@ -63,7 +62,6 @@ class DenseRetriever(BaseRetriever):
     @property
     def model(self) -> Any:
         if self._model is None:
-            force_offline()
             from sentence_transformers import SentenceTransformer
 
             self._model = SentenceTransformer(str(local_model_dir(self.model_ref)),

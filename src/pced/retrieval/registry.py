@@ -41,7 +41,7 @@ def load_retriever(directory: str | os.PathLike, **kwargs: Any) -> BaseRetriever
 def default_retriever() -> BaseRetriever:
     """The embedded default for ``pced index``: BM25 + packaged MiniLM, harmonic-mean fused.
 
-    Chosen from ``scripts/retrieval_recall.py`` on HotpotQA (994 passages, 100 questions): the
+    Chosen from ``experiments/retrieval_recall.py`` on HotpotQA (994 passages, 100 questions): the
     hybrid has the best recall@8 and recall@90 of the three embedded options (numbers in the
     module docstring of ``tests/test_retrieval_recall.py``) and runs offline on a CPU.
     """

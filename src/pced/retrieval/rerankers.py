@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pced.retrieval._local_models import force_offline, local_model_dir
+from pced.retrieval._local_models import local_model_dir
 from pced.retrieval.storage import library_versions, model_fingerprint
 
 
@@ -41,7 +41,6 @@ class SequenceClassifierReranker:
     def __init__(self, model_path: str | os.PathLike, name: str | None = None, device: str = "cpu",
                  dtype: Any = None, batch_size: int = 16, max_length: int = 512,
                  query_max_length: int | None = None) -> None:
-        force_offline()
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -99,7 +98,6 @@ class CrossEncoderReranker:
 
     def __init__(self, model_path: str | os.PathLike, name: str | None = None, device: str = "cpu",
                  batch_size: int = 32, max_length: int | None = None) -> None:
-        force_offline()
         from sentence_transformers import CrossEncoder
 
         self.model_dir = local_model_dir(model_path)

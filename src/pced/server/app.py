@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..options import AskOptions, VLLMSettings
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
-from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job
+from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job, form_defaults
 from .worker import Finished, Run, Started, Worker, is_client_error, is_data_error, next_event
 
 STATIC = Path(__file__).parent / "static"
@@ -201,6 +201,11 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
                 "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
                 "kv_pool": worker.pool_health(), "store": worker.store_health(),
                 "request_cache": worker.request_cache_health()}
+
+    @app.get("/defaults")
+    async def defaults():
+        """The page asks what the CLI asks: its form reads these instead of numbers of its own."""
+        return form_defaults(limits)
 
     @app.get("/v1/models")
     async def models():

@@ -43,6 +43,12 @@ class Limits:
     max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
 
 
+def form_defaults(limits: Limits) -> dict:
+    """What the page's form starts from and may ask: the same defaults ``pced ask`` uses."""
+    return {"method": AskOptions.method, "methods": list(METHODS), "top_k": AskOptions.top_k, "max_top_k": limits.max_top_k,
+            "max_tokens": limits.default_max_tokens, "max_tokens_limit": limits.max_tokens}
+
+
 class RequestError(ValueError):
     """A request the server refuses: reported as {"error": {message, type, param, code}}."""
 
@@ -187,6 +193,9 @@ def _candidates(documents: list[DocumentIn], limits: Limits) -> list[Candidate]:
 
 
 def _sampling(options: SamplingOptions, limits: Limits) -> SamplingConfig:
+    """The one place the API's names meet the library's: OpenAI's ``max_tokens`` (or its newer
+    ``max_completion_tokens``) is ``SamplingConfig.max_new_tokens`` (``pced ask --max-new-tokens``);
+    left out, it is ``Limits.default_max_tokens``, which is ``SamplingConfig``'s default."""
     max_tokens = options.max_tokens if options.max_tokens is not None else options.max_completion_tokens
     max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= limits.max_tokens:

@@ -11,19 +11,14 @@ chunks, merges, encodes and swaps (one writer). ``layout`` is what both agree on
 
 from .layout import FORMAT, IndexSettings, StoreError
 
+_LAZY = {"DocumentStore": "reader", "index_store": "writer", "remove_documents": "writer"}  # the model stack loads only when a store is used
+
 
 def __getattr__(name: str):
-    # the read and write paths load transformers; a command that only needs the settings (argument
-    # parsing, refusing bad input) does not wait for it
-    if name == "DocumentStore":
-        from .reader import DocumentStore
+    if name in _LAZY:
+        from importlib import import_module
 
-        return DocumentStore
-    if name == "index_store":
-        from .writer import index_store
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return index_store
-    raise AttributeError(f"module 'pced.store' has no attribute {name!r}")
-
-
-__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store"]
+__all__ = ["DocumentStore", "FORMAT", "IndexSettings", "StoreError", "index_store", "remove_documents"]

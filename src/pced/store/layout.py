@@ -15,10 +15,9 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..defaults import EMBEDDED, is_embedded
 from ..documents import Document
 from ..fs import atomic_write_lines, recover_directory
-from ..options import DEFAULT_STORAGE_DTYPE
+from ..options import DEFAULT_STORAGE_DTYPE, EMBEDDED, is_embedded
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -51,14 +51,30 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
         return _index_locked(corpus, root, settings, llm, progress, encode_kv)
 
 
+def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
+    """Remove documents (each with its chunks, KV caches and retrieval index entries) from the store
+    at ``root``: the indexing path with nothing added, under the same writer lock, so the retrieval
+    indexes are rebuilt (dense embeddings of the others reused) and swapped in atomically. Readers
+    that opened the store before keep answering from what they loaded. An id the store does not hold
+    is a ``StoreError`` before anything changes."""
+    root = Path(root)
+    if not (root / MANIFEST).is_file():
+        raise StoreError(f"{root} is not a pced store (no manifest.json)")
+    with writer_lock(root):
+        settings = IndexSettings(**json.loads((root / MANIFEST).read_text())["settings"])
+        # encode_kv: nothing is added; a store's on-demand setting stays as its manifest says
+        return _index_locked([], root, settings, llm, False, True, remove=list(doc_ids))
+
+
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
     reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
     if reserved:
         raise StoreError(f"document id {reserved[0]!r} ends in '#chunk-<n>', which pced reserves for chunks; rename it")
     previous = _previous(root, settings)
+    removed = _removed_ids(previous, remove) if remove else set()  # unknown ids fail before any change
     if previous is not None and settings.kv_budget_gb is None:
         settings = replace(settings, kv_budget_gb=previous.settings.kv_budget_gb)
     settings = replace(settings, lazy_kv=settings.lazy_kv or not encode_kv)
@@ -79,6 +95,9 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     estimate = cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
     if progress:
         print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
+    merged = [d for d in merged if d.id not in removed and d.owner not in removed]
+    if remove and not merged:
+        raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
     if not settings.on_demand:
         generator.caches.add([d.render() for d in merged], progress=progress)
@@ -112,14 +131,16 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
     swept = _sweep_generations(root, keep={number, generation(previous.manifest) if previous else number})
     # caches of documents neither this state nor the previous one holds (a reader may still use the previous)
-    keep = [d.render() for d in merged] + ([d.render() for d in previous.documents] if previous else [])
+    # (documents removed on request go at once: their caches are what the user asked to delete)
+    keep = [d.render() for d in merged] + ([d.render() for d in previous.documents if d.id not in removed]
+                                           if previous else [])
     orphans = generator.caches.remove_unreferenced(generator.caches.digests(keep))
     evicted = generator.caches.budget.record(protect=()) if settings.kv_budget_gb is not None else 0
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
               "chunks_replaced": replaced, "generation": number, "generations_swept": swept,
               "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
               "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
-              "estimate": estimate, "on_demand": settings.on_demand}
+              "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
     return DocumentStore.open(root, generator=generator), report
 
 
@@ -165,6 +186,18 @@ def _sweep_generations(root: Path, keep: set[int]) -> int:
         shutil.rmtree(root / RETRIEVERS_DIR, ignore_errors=True)
         removed += 1
     return removed
+
+
+def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[str]:
+    """The stored ids (documents and their chunks) of the requested documents."""
+    from .inventory import group_documents
+
+    groups = group_documents(previous.documents if previous else [], set(previous.manifest.get("chunked", [])) if previous else set())
+    stored = {d.id for d in previous.documents} if previous else set()
+    missing = [i for i in requested if i not in groups and i not in stored]
+    if missing:
+        raise StoreError(f"no document {', '.join(map(repr, missing))} in the store (pced store list shows the ids)")
+    return {d.id for i in requested for d in groups.get(i, [])} | (set(requested) & stored)
 
 
 def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:

@@ -1,6 +1,7 @@
 // The pced page: stream /v1/chat/completions (SSE over fetch) and colour each token by its document.
 // The first chunk carries the experts (pced.experts), every token chunk its winner (pced.doc_id),
-// the last chunk the full trace, betas and timings. Text is only ever set with textContent.
+// the last chunk the full trace, betas, timings and citations (one per sentence: the documents whose
+// tokens it is made of); hovering a sentence lists its sources. Text is only ever set with textContent.
 "use strict";
 
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#e6730b", "#0e9aa7", "#8c564b", "#d4338f",
@@ -75,6 +76,54 @@ function addToken(text, docId) {
   $("answer").append(span);
 }
 
+function sourceName(docId) {
+  const expert = experts.get(docId);
+  return expert && expert.title !== docId ? `${expert.title} (${docId})` : docId;
+}
+
+// Wrap each cited sentence's tokens in a span (markers [n] after it) and list its sources on hover.
+function showCitations(citations) {
+  const answer = $("answer");
+  const tokens = Array.from(answer.querySelectorAll(".tok"));
+  const numbers = new Map();
+  for (const c of citations) for (const d of c.doc_ids) if (!numbers.has(d)) numbers.set(d, numbers.size + 1);
+  let offset = 0;
+  const placed = tokens.map((tok) => {
+    const text = tok.textContent;
+    const first = offset + (text.length - text.trimStart().length);
+    offset += text.length;
+    return { tok, first, blank: !text.trim() };
+  });
+  citations.forEach((c, i) => {
+    const members = placed.filter((p) => !p.blank && p.first >= c.start && p.first < c.end).map((p) => p.tok);
+    if (!members.length) return;
+    const sentence = document.createElement("span");
+    sentence.className = "sentence";
+    sentence.dataset.index = String(i);
+    sentence.dataset.sources = c.doc_ids.join(" ");
+    const label = c.doc_ids.length ? `Sources: ${c.doc_ids.map((d) => `[${numbers.get(d)}] ${sourceName(d)}`).join(", ")}`
+                                   : "Sources: none (the model wrote this sentence from no document)";
+    members[0].before(sentence);
+    const last = members[members.length - 1];
+    let node = sentence.nextSibling;
+    for (;;) {  // move the sentence's tokens (and any blanks between them) into its span
+      const next = node.nextSibling;
+      sentence.append(node);
+      if (node === last) break;
+      node = next;
+    }
+    for (const d of c.doc_ids) {
+      const mark = document.createElement("sup");
+      mark.className = "cite";
+      mark.textContent = `[${numbers.get(d)}]`;
+      mark.title = sourceName(d);
+      sentence.append(mark);
+    }
+    sentence.addEventListener("mouseenter", () => { sentence.classList.add("hovered"); $("sources").textContent = label; });
+    sentence.addEventListener("mouseleave", () => sentence.classList.remove("hovered"));
+  });
+}
+
 function showSummary(extra, usage, finishReason) {
   const t = extra.timings || {};
   const parts = [`method ${extra.method || "?"}`];
@@ -96,7 +145,10 @@ function handleChunk(chunk) {
   if (!choice) return;
   const text = choice.delta && choice.delta.content;
   if (text) addToken(text, extra.doc_id);
-  if (choice.finish_reason) showSummary(extra, chunk.usage, choice.finish_reason);
+  if (choice.finish_reason) {
+    if (Array.isArray(extra.citations)) showCitations(extra.citations);
+    showSummary(extra, chunk.usage, choice.finish_reason);
+  }
 }
 
 async function readEvents(response) {
@@ -125,6 +177,7 @@ async function ask(event) {
   if (!question) return;
   $("answer").replaceChildren();
   $("experts").replaceChildren();
+  $("sources").textContent = "Hover a sentence to see the documents it was made of.";
   setStatus("waiting for the model ...");
   $("ask").disabled = true;
   $("stop").disabled = false;
@@ -136,9 +189,11 @@ async function ask(event) {
     model: "pced",
     stream: true,
     messages: [{ role: "user", content: question }],
-    max_tokens: Number($("max-tokens").value) || 64,
-    pced: { method: $("method").value, top_k: Number($("top-k").value) || 4 },
+    pced: { method: $("method").value },
   };
+  // a field left empty is left out: the server's default applies, as for pced ask
+  if ($("max-tokens").value) body.max_tokens = Number($("max-tokens").value);
+  if ($("top-k").value) body.pced.top_k = Number($("top-k").value);
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers, body: JSON.stringify(body), signal: controller.signal,
@@ -168,9 +223,18 @@ async function showModel() {
   } catch (err) { /* the page still works without it */ }
 }
 
+async function showDefaults() {
+  // the form starts from the server's defaults (those of pced ask), never from numbers of its own
+  const defaults = await (await fetch("/defaults")).json();
+  $("method").replaceChildren(...defaults.methods.map((name) => new Option(name, name, false, name === defaults.method)));
+  Object.assign($("top-k"), { value: defaults.top_k, max: defaults.max_top_k });
+  Object.assign($("max-tokens"), { value: defaults.max_tokens, max: defaults.max_tokens_limit });
+}
+
 $("ask-form").addEventListener("submit", ask);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("question").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("ask-form").requestSubmit(); }
 });
+showDefaults();
 showModel();

@@ -1,4 +1,4 @@
-"""All (concatenation) over the documents PCED finally read, when experts joined mid-answer (issue 14).
+"""All (concatenation) over the documents PCED finally read, when experts joined mid-answer.
 
 A PCED run with ``--follow ...join`` reads the question's top-k plus the documents that joined.
 Is its answer better because of *how* it reads (isolated experts, the rule) or because it got to
@@ -10,7 +10,7 @@ budget, and compares three scores on the same questions:
 - PCED with joins (from the run), All over the question's top-k (from the run, ``--all-config``),
   All over PCED's final set (computed here; on questions without joins it is All over the top-k).
 
-    python scripts/all_over_final.py runs/eval/hotpotqa-corpus [--join-config KEY] [--all-config KEY]
+    python experiments/all_over_final.py runs/eval/hotpotqa-corpus [--join-config KEY] [--all-config KEY]
 
 Writes ``all_final.jsonl`` (resumable), ``all_final.md`` and ``all_final.json`` into the run folder.
 """

@@ -2,7 +2,7 @@
 the embedded model, the demo store already built) with each thread count, alone and beside a busy
 neighbour (one process spinning on one core), in one run. Prints and saves docs/bench/threads.{json,md}.
 
-    python scripts/threads_bench.py [--repeats 1] [--threads 1,2] [--out docs/bench]
+    python experiments/threads_bench.py [--repeats 1] [--threads 1,2] [--out docs/bench]
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Each sweep is exactly a ``pced eval`` command (printed before it runs); this scr
 interleaves them in chunks of examples so that, when it stops at ``--deadline``, every setting
 has been measured on the same questions. Rerunning resumes (finished answers are skipped).
 
-    python scripts/ablations.py hotpotqa --default-k 10 --ks 2,4,6,8 --limit 100
-    python scripts/ablations.py nq --default-k 8 --ks 2,4,16,32 --limit 100
+    python experiments/ablations.py hotpotqa --default-k 10 --ks 2,4,6,8 --limit 100
+    python experiments/ablations.py nq --default-k 8 --ks 2,4,16,32 --limit 100
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import datetime
 SWEEPS = {
     "beta": "0,0.5,1",
     # the paper's range (<= 4) and beyond it: with our normalizations one question's candidates
-    # differ by ~0.1-0.3 in log r (scripts/relevance_spread.py), so gamma <= 4 moves logits < ~1
+    # differ by ~0.1-0.3 in log r (experiments/relevance_spread.py), so gamma <= 4 moves logits < ~1
     "gamma": "0,1,2.5,8,32",
     "aggregation": "max,moe,poe",
     "score_space": "logits,logprobs",

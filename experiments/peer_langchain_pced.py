@@ -1,5 +1,5 @@
 """The authors' implementation beside ours: PyPI ``langchain-pced`` on exactly a ``pced bench`` run's
-model, documents and question (issue 12).
+model, documents and question.
 
 ``langchain-pced`` 0.2.0 runs PCED on transformers' continuous-batching internals: a paged KV cache
 and, per question, a prefill of every document (shared prefix forked once, then all documents in
@@ -10,7 +10,7 @@ environment and imports nothing of pced; the bench leaves what it needs in ``pee
     pced bench ... --out runs/bench                               # ours; writes bench.json + peer_inputs.json
     python -m venv /tmp/peer && /tmp/peer/bin/pip install torch==2.13.0 \\
         transformers==5.2.0 tokenizers==0.22.2 langchain-pced==0.2.0
-    /tmp/peer/bin/python scripts/peer_langchain_pced.py runs/bench [--attn paged|sdpa]
+    /tmp/peer/bin/python experiments/peer_langchain_pced.py runs/bench [--attn paged|sdpa]
 
 For each k of the bench (first k documents, the gold one first, relevance 0.8 for gold and 0.5
 for the others, as in the bench) it times the peer's ``prefill_cb_with_fork`` and

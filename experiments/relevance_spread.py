@@ -11,7 +11,7 @@ under the paper's log prior, gamma x range / std under ``--prior standardized``,
 and the 10th-90th percentiles over questions: how much one gamma means across retrievers and
 questions.
 
-    python scripts/relevance_spread.py runs/eval/hotpotqa runs/stores/hotpotqa-distractor-SmolLM2-135M-Instruct-rag
+    python experiments/relevance_spread.py runs/eval/hotpotqa runs/stores/hotpotqa-distractor-SmolLM2-135M-Instruct-rag
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Print the README "Results" tables from finished ``pced eval`` folders (their summary.json).
 
-    python scripts/results_readme.py [--runs runs/eval] > /tmp/results.md
+    python experiments/results_readme.py [--runs runs/eval] > /tmp/results.md
 
 Methods table: each method's score per dataset (n questions), its paired difference from PCED
 with the 95% bootstrap interval, and median TTFT / total seconds. Ablation tables: every

@@ -1,7 +1,7 @@
 """Paired comparison of one config across two ``pced eval`` runs on the same questions (for settings
 that are a run's identity, not a sweep: the storage dtype, the model, the backend).
 
-    python scripts/compare_runs.py runs/eval/hotpotqa-follow runs/eval/hotpotqa-int8 \
+    python experiments/compare_runs.py runs/eval/hotpotqa-follow runs/eval/hotpotqa-int8 \
         --config "pced|beta=dynamic|gamma=32|agg=max|space=logits|k=8|ret=hybrid" \
         --labels float16,int8 --out docs/results/int8/hotpotqa
 

@@ -6,10 +6,10 @@ clients stream (SSE, time to first token measured), half do plain chat completio
 saves median / p95 latency to runs/load_test/results.{json,md} (one section per --backend, and the
 requests/s ratio to the first backend when several are given).
 
-    python scripts/load_test.py                      # demo store, 20 clients x 5 questions
-    python scripts/load_test.py --backend transformers --backend vllm   # both servers, one after the other
-    python scripts/load_test.py --store DIR --model PATH
-    python scripts/load_test.py --url http://127.0.0.1:8000 --api-key KEY
+    python -m pced.bench.load_test                      # demo store, 20 clients x 5 questions
+    python -m pced.bench.load_test --backend transformers --backend vllm   # both servers, one after the other
+    python -m pced.bench.load_test --store DIR --model PATH
+    python -m pced.bench.load_test --url http://127.0.0.1:8000 --api-key KEY
 """
 
 from __future__ import annotations
@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("PCED_API_KEY"))
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--questions", type=int, default=5, help="questions per client, asked one after another")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    from ..sampling import SamplingConfig
+
+    parser.add_argument("--max-tokens", type=int, default=SamplingConfig.max_new_tokens)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--startup-timeout", type=float, default=300.0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README "Results": PCED against All / Single / APE on >= 100 questions of each dataset, embedded
 # model, greedy. Same candidates for every method. Resumable: re-running skips finished answers.
-# MapReduce (N+1 model calls, ~60 s per answer on a 2-core CPU) is in scripts/methods_table.sh
+# MapReduce (N+1 model calls, ~60 s per answer on a 2-core CPU) is in experiments/methods_table.sh
 # on the first 20 HotpotQA questions only.
 set -euo pipefail
 methods=pced,all,single,ape

@@ -5,7 +5,7 @@ question's two supporting paragraphs (named by title in ``supporting_facts``) ar
 Reports, per retriever and k, the mean fraction of gold titles in the top-k and the fraction of
 questions with all gold found. Prints a Markdown table, writes ``recall.json`` / ``recall.md``.
 
-    python scripts/retrieval_recall.py [--data DIR] [--out runs/retrieval_recall] [--k 8 90]
+    python experiments/retrieval_recall.py [--data DIR] [--out runs/retrieval_recall] [--k 8 90]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hybrid fusions by gold recall, on the candidates ``pced eval`` would give PCED (issue 14, item 3).
+"""Hybrid fusions by gold recall, on the candidates ``pced eval`` would give PCED.
 
 For each dataset (its eval store under runs/stores, built by ``pced eval`` if missing) and each
 hybrid fusion (``hybrid`` = the paper's harmonic mean, ``hybrid-mean``, ``hybrid-rrf``), on the first
@@ -7,7 +7,7 @@ with every gold document in the top-k, and the expert slots "vetoed" by the fusi
 the top-k whose relevance is below 1e-6 (with the log prior they can never win a token), with how
 many of those are gold. No language model runs: retrieval only.
 
-    python scripts/fusion_recall.py --dataset hotpotqa --dataset musique [--setting distractor] [--limit 100]
+    python experiments/fusion_recall.py --dataset hotpotqa --dataset musique [--setting distractor] [--limit 100]
 
 Writes runs/fusion_recall/<dataset>-<setting>.{json,md}.
 """

@@ -2,7 +2,7 @@
 # Index a corpus with and without on-demand KV encoding, then ask one question twice on the
 # on-demand store (its documents not encoded yet, then cached). Prints and saves OUT/store_budget.json
 # and OUT/store_budget.md.
-#   scripts/store_budget.sh CORPUS.jsonl OUT "question" [BUDGET_GB]
+#   experiments/store_budget.sh CORPUS.jsonl OUT "question" [BUDGET_GB]
 # The HotpotQA corpus is a JSON object {title: [sentences]}; JSON Lines of it:
 #   python -c "import json; d=json.load(open('hotpotqa_train_corpus.json'));
 #   [print(json.dumps({'id': t, 'title': t, 'text': ''.join(v).strip()})) for t, v in d.items()]" > corpus.jsonl

@@ -3,7 +3,7 @@
 A direct view of gating that a truncated answer's exact match can hide: with the retrieval
 prior working, the tokens come from the gold document(s). Prints a Markdown table.
 
-    python scripts/gold_share.py runs/eval/nq-ablation
+    python experiments/gold_share.py runs/eval/nq-ablation
 """
 
 import json

@@ -8,7 +8,7 @@ from, and reports, for bridge and comparison questions apart:
   gold paragraph the question ranked lower: the one its words point to less), and how often that
   paragraph was an expert at all (from the start, or by joining).
 
-    python scripts/follow_report.py runs/eval/hotpotqa-follow [--data ../shared/data]
+    python experiments/follow_report.py runs/eval/hotpotqa-follow [--data ../shared/data]
 
 Writes follow.md and follow.json into the folder.
 """

@@ -1,0 +1,120 @@
+"""``pced store list | show | remove | stats | verify``: see and change what a store holds.
+
+list / show / stats read the store with its tokenizer only (no model weights); remove goes through
+the indexing writer (its lock, its atomic swap of the retrieval indexes). ``pced store verify`` is
+``pced verify`` under the store verbs (both stay: scripts call the short one). User text (ids,
+titles, document text) is printed as it is, never interpreted as markup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import InputError
+
+
+def add_store_parser(sub) -> None:
+    from .store import add_verify_arguments, cmd_verify
+
+    p = sub.add_parser("store", help="list, show, remove documents of a store; its size by part; verify its caches")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="one line per document: id, chunks, tokens, cache bytes, title")
+    listing.add_argument("store", help="store directory built by pced index")
+    listing.add_argument("--json", action="store_true", help="print a JSON array of {id, title, chunks, tokens, cache_bytes, encoded}")
+    listing.set_defaults(func=cmd_list)
+    show = verbs.add_parser("show", help="a document's text, chunks and cache state")
+    show.add_argument("store", help="store directory built by pced index")
+    show.add_argument("id", help="a document id (or one chunk's id)")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=cmd_show)
+    remove = verbs.add_parser("remove", help="remove documents with their chunks, KV caches and retrieval index entries")
+    remove.add_argument("store", help="store directory built by pced index")
+    remove.add_argument("ids", nargs="+", metavar="ID")
+    remove.set_defaults(func=cmd_remove)
+    stats = verbs.add_parser("stats", help="documents, tokens, bytes by part (text, retrieval, caches)")
+    stats.add_argument("store", help="store directory built by pced index")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+    stats.set_defaults(func=cmd_stats)
+    verify = verbs.add_parser("verify", help="the same as pced verify: check every stored KV cache")
+    add_verify_arguments(verify)
+    verify.set_defaults(func=cmd_verify)
+
+
+def _inventory(path: str):
+    from ..store import DocumentStore
+    from ..store.inventory import Inventory
+
+    return Inventory.open(DocumentStore.open(path))
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = _inventory(args.store).rows()
+    if args.json:
+        print(json.dumps(rows, ensure_ascii=False))
+        return 0
+    width = max([len("id")] + [len(r["id"]) for r in rows])
+    print(f"{'id':<{width}}  chunks  tokens  cache       title")
+    for r in rows:
+        cache = human_bytes(r["cache_bytes"]) if r["encoded"] else "-"
+        print(f"{r['id']:<{width}}  {r['chunks']:>6}  {r['tokens']:>6}  {cache:<10}  {r['title']}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    try:
+        info = _inventory(args.store).show(args.id)
+    except KeyError:
+        raise InputError(f"no document {args.id!r} in {args.store} (pced store list shows the ids)") from None
+    if args.json:
+        print(json.dumps(info, ensure_ascii=False))
+        return 0
+    print(f"id: {info['id']}\ntitle: {info['title']}\nchunks: {info['chunks']}, tokens: {info['tokens']}, "
+          f"caches encoded: {info['encoded']}/{info['chunks']} ({human_bytes(info['cache_bytes'])})")
+    for part in info["parts"]:
+        print(f"\n[{part['id']}] {part['tokens']} tokens; cache {part['cache']}"
+              + (f", {human_bytes(part['cache_bytes'])}" if part["cache_bytes"] else "") + f"; {part['cache_file']}")
+        print(part["text"])
+    return 0
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    from ..store import StoreError, remove_documents
+
+    try:
+        store, report = remove_documents(args.store, args.ids)
+    except StoreError as exc:
+        if "no document" in str(exc):
+            raise InputError(str(exc)) from None
+        raise
+    print(f"pced: store {args.store}: removed {len(args.ids)} documents ({len(report['removed'])} stored ids), "
+          f"{report['kv_orphans_removed']} KV caches deleted; {report['documents']} remain")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    stats = _inventory(args.store).stats()
+    if args.json:
+        print(json.dumps(stats, ensure_ascii=False))
+        return 0
+    b = stats["bytes"]
+    print(f"documents: {stats['documents']} ({stats['stored_chunks']} stored, chunks counted), tokens: {stats['tokens']}, "
+          f"caches encoded: {stats['caches_encoded']}")
+    print(f"bytes: text {human_bytes(b['text'])}, retrieval {human_bytes(b['retrieval'])}, caches {human_bytes(b['caches'])}, "
+          f"total {human_bytes(b['total'])}")
+    if "kv_budget" in stats:
+        kv = stats["kv_budget"]
+        print("kv budget: " + ", ".join(f"{k} {v}" for k, v in kv.items()))
+    return 0
+
+
+__all__ = ["add_store_parser"]

@@ -68,3 +68,34 @@ def test_missing_model_and_bad_flags(tmp_path, docs_file):
     assert result.returncode == 2 and result.stderr.startswith("pced: error:")
     result = run_cli(["generate", "--docs", str(docs_file), "--question", "q?", "--beta", "often"])
     assert result.returncode == 2
+
+
+def test_generate_with_500_documents_is_refused_in_under_a_second(tmp_path, capsys):
+    import time
+
+    from pced.cli import InputError, build_parser, main
+
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Document number {i}.", "score": 0.5}) + "\n"
+                            for i in range(500)))
+    argv = ["generate", "--docs", str(path), "--question", "Which one?", "--kv-dir", str(tmp_path / "kv")]
+    args = build_parser().parse_args(argv)  # what every pced command imports first (torch among them)
+    started = time.perf_counter()
+    with pytest.raises(InputError, match="^at most 64 documents per question, got 500$"):
+        args.func(args)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 1.0, elapsed  # refused before any model loads (it took 88 s to fail before)
+    assert not (tmp_path / "kv").exists()
+    assert main(argv) == 2 and capsys.readouterr().err.strip() == "pced: error: at most 64 documents per question, got 500"
+    result = run_cli(argv)  # and the same one line from the command line
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["pced: error: at most 64 documents per question, got 500"]
+
+
+def test_generate_refuses_a_document_longer_than_the_server_takes(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"id": "huge", "text": "word " * 20_000}) + "\n")
+    result = run_cli(["generate", "--docs", str(path), "--question", "Which one?", "--kv-dir", str(tmp_path / "kv")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pced: error: document 'huge' has 100000 characters; at most 20000 per document (split it)"]

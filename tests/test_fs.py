@@ -75,3 +75,16 @@ def test_fs_is_the_only_maker_of_temporary_names():
     pattern = re.compile(r"mkstemp|mkdtemp|NamedTemporaryFile|TemporaryDirectory|token_hex|os\.umask|\.tmp-")
     users = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if pattern.search(p.read_text()))
     assert users == ["fs.py"]
+
+
+def test_sweeping_with_keep_live_leaves_the_files_of_running_processes(tmp_path):
+    import subprocess as sp
+
+    finished = sp.Popen(["true"])
+    finished.wait()
+    mine = tmp_path / f".tmp-a.json.{os.getpid()}.abcd"
+    dead = tmp_path / f".tmp-b.json.{finished.pid}.abcd"
+    for path in (mine, dead):
+        path.write_text("x")
+    assert sweep_temporaries(tmp_path, keep_live=True) == 1
+    assert mine.exists() and not dead.exists()

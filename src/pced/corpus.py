@@ -4,14 +4,17 @@ Accepted files: the shapes of ``pced.corpus_formats`` (JSON Lines or one JSON do
 ``{"id", "text", "title"?}``, LOFT, HotpotQA, MuSiQue and NQ shapes), chosen by content.
 Structural problems (invalid JSON, a missing field, a duplicate id) stop indexing before the
 store is touched. Empty documents are skipped with a warning. A document longer than
-``max_tokens`` is split at word boundaries into chunks ``id#1``, ``id#2``, ... (logged), so that
-every expert fits the model's window; the chunks keep the title.
+``max_tokens`` is split at word boundaries into chunks ``id#chunk-1``, ``id#chunk-2``, ... (logged),
+so that every expert fits the model's window; the chunks keep the title and name their document
+(``Document.source``), which owns them: indexing that id again replaces all of them. Ids ending in
+``#chunk-<n>`` are reserved for chunks (refused in a corpus), so a chunk never takes a user's id.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,6 +22,8 @@ from .documents import Document
 from .errors import UserError
 
 log = logging.getLogger("pced.corpus")
+CHUNK_MARK = "#chunk-"
+CHUNK_ID = re.compile(re.escape(CHUNK_MARK) + r"\d+$")
 
 
 class CorpusError(UserError):
@@ -60,6 +65,9 @@ def read_corpus(path: str | Path) -> list[Document]:
             if document is None:
                 log.warning("%s: document has empty text; skipped", where)
                 continue
+            if CHUNK_ID.search(document.id):
+                raise CorpusError(f"{where}: id {document.id!r} ends in '{CHUNK_MARK}<n>', which pced reserves for the "
+                                  "chunks of long documents; rename it")
             if document.id in seen:
                 first, position = seen[document.id]
                 if shape.endswith("-questions") and documents[position] == document:
@@ -92,7 +100,8 @@ def chunk_document(document: Document, count_tokens: Callable[[str], int], max_t
                 current = [word]
     if current:
         chunks.append(" ".join(current))
-    pieces = [Document(f"{document.id}#{i}", text, document.title) for i, text in enumerate(chunks, start=1)]
+    pieces = [Document(f"{document.id}{CHUNK_MARK}{i}", text, document.title, source=document.id)
+              for i, text in enumerate(chunks, start=1)]
     log.warning("document %r has %d tokens (> %d): split into %d chunks", document.id,
                 count_tokens(document.render()), max_tokens, len(pieces))
     return pieces
@@ -107,6 +116,7 @@ def chunk_corpus(documents: list[Document], count_tokens: Callable[[str], int], 
             chunked.append(document.id)
         out.extend(pieces)
     ids = [d.id for d in out]
-    if len(set(ids)) != len(ids):
-        raise CorpusError("chunk ids collide with existing ids (an id ending in '#<n>'); rename those documents")
+    if len(set(ids)) != len(ids):  # only through the library: read_corpus refuses reserved ids
+        raise CorpusError(f"chunk ids collide with existing ids (ids ending in '{CHUNK_MARK}<n>' are reserved); "
+                          "rename those documents")
     return out, chunked

@@ -12,6 +12,12 @@ class Document:
     id: str
     text: str
     title: str = ""
+    source: str = ""  # a chunk: the id of the document it was split from (that document owns it)
+
+    @property
+    def owner(self) -> str:
+        """The id of the document as the user indexed it (a chunk's source, else its own id)."""
+        return self.source or self.id
 
     def render(self) -> str:
         """The text an LLM sees for this document (title on its own line when present)."""

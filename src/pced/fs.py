@@ -118,11 +118,31 @@ def recover_directory(target: Path) -> None:
         return
 
 
-def sweep_temporaries(directory: str | os.PathLike, pattern: str = "") -> int:
+def _writer_alive(stale: Path) -> bool:
+    """Whether the process named in a temporary name (``.tmp-<name>.<pid>.<random>``) still runs here."""
+    try:
+        pid = int(stale.name.rsplit(".", 2)[-2])
+    except (ValueError, IndexError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_temporaries(directory: str | os.PathLike, pattern: str = "", keep_live: bool = False) -> int:
     """Remove what killed writers left in ``directory`` (``pattern`` narrows it, e.g. ``"*/"`` for one
-    level down). Only a single writer may call this: it would delete another writer's file in flight."""
+    level down). Only a single writer may call this with ``keep_live`` off: it would delete another
+    writer's file in flight; with it, files of processes still running are left alone."""
     removed = 0
     for stale in Path(directory).glob(f"{pattern}{TEMP_PREFIX}*"):
+        if keep_live and _writer_alive(stale):
+            continue
         _remove(stale)
         removed += 1
     return removed

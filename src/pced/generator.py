@@ -39,12 +39,17 @@ class Generator:
         kv_dir: str | os.PathLike | None = None,
         storage_dtype: str = DEFAULT_STORAGE_DTYPE,
         tiers: CacheTiers = CacheTiers(),
+        budget_bytes: int | None = None,
+        on_demand: bool = False,
+        recorded_model_path: str | None = None,
     ):
+        """``budget_bytes``/``on_demand``/``recorded_model_path``: see ``pced.kv.store.KVStore``."""
         self.llm = llm if llm is not None else load_model()
         self.template = TEMPLATES[template] if isinstance(template, str) else template
         self.builder = PromptBuilder(self.llm.tokenizer, self.template)
         kv_dir = kv_dir if kv_dir is not None else default_kv_dir(self.llm, self.template, storage_dtype)
-        self.caches = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers)
+        self.caches = KVStore(kv_dir, self.llm, self.builder, storage_dtype, tiers=tiers, budget_bytes=budget_bytes,
+                              on_demand=on_demand, recorded_model_path=recorded_model_path)
 
     def stream(
         self,

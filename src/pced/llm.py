@@ -18,7 +18,7 @@ import torch
 
 from .options import EMBEDDED_NAME, is_embedded
 from .errors import UserError
-from .fingerprint import files_fingerprint
+from .fingerprint import content_fingerprint, files_fingerprint
 from .fs import staging_dir, swap_directory
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +37,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     path: str
-    fingerprint: str
+    fingerprint: str  # path-free: the architecture below and the weights' bytes (``model_identity``)
     tokenizer_hash: str
     # The decode step (docs/attention.md): "eager" writes at a growing cursor and attends over the
     # slots used so far; "static" writes at a device position and attends over the whole capacity
@@ -47,7 +47,34 @@ class LoadedModel:
 
     def __post_init__(self) -> None:
         if self.decode_step not in DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+            raise UserError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+    architecture: dict = field(default_factory=dict, repr=False)  # the config without paths or versions
+    weights_hash: str = ""
+    # the fingerprint of stores built before identities were path-free, given the folder they recorded
+    legacy_fingerprint: object = field(default=None, repr=False, compare=False)
+
+    def model_difference(self, stored: dict) -> str | None:
+        """None when a manifest's ``model`` record (``model_record``) names this model; else what differs."""
+        if stored.get("tokenizer_hash") != self.tokenizer_hash:
+            return "its tokenizer differs"
+        if stored.get("fingerprint") == self.fingerprint:
+            return None
+        recorded = stored.get("architecture")
+        if recorded is None:  # written before path-free identities: the old formula, with the folder it recorded
+            if self.legacy_fingerprint is not None and stored.get("fingerprint") in {
+                    self.legacy_fingerprint(stored.get("path") or self.path), self.legacy_fingerprint(self.path)}:
+                return None
+            return "its weights or config differ"
+        fields = sorted(k for k in set(recorded) | set(self.architecture) if recorded.get(k) != self.architecture.get(k))
+        if fields:
+            shown = ", ".join(f"{k}={recorded.get(k)!r} vs {self.architecture.get(k)!r}" for k in fields[:3])
+            return f"its architecture differs ({shown}{', ...' if len(fields) > 3 else ''})"
+        return "its weights differ (same architecture)"
+
+    def model_record(self) -> dict:
+        """What a store's manifest records about the model that built it."""
+        return {"name": self.name, "path": self.path, "fingerprint": self.fingerprint,
+                "tokenizer_hash": self.tokenizer_hash, "weights": self.weights_hash, "architecture": self.architecture}
 
     @property
     def device(self) -> torch.device:
@@ -140,14 +167,33 @@ def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
         swap_directory(staging, target)
 
 
-def model_fingerprint(path: Path, config: object) -> str:
-    """Identity of a model's weights: config plus size and edge bytes of every weight file.
+def weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
 
-    Hashing whole multi-GB files on every load would be slow; the edges and sizes change with
-    any re-export or fine-tune in practice, and the config pins the architecture.
-    """
-    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-    return files_fingerprint(path, weights, json.dumps(config.to_dict(), sort_keys=True, default=str).encode())[:16]
+
+def architecture(config: object) -> dict:
+    """The config without what depends on where or with what it was saved (``_name_or_path``, the
+    transformers version): what pins the architecture."""
+    return json.loads(json.dumps({k: v for k, v in config.to_dict().items()
+                                  if not k.startswith("_") and k != "transformers_version"}, sort_keys=True, default=str))
+
+
+def model_identity(path: Path, config: object) -> tuple[str, str, dict]:
+    """(fingerprint, weights hash, architecture) of a model folder: its architecture and the content
+    of its weight files (size, safetensors header and sampled bytes), never its path or file names,
+    so a moved or copied model keeps its identity and different weights do not."""
+    arch = architecture(config)
+    weights = content_fingerprint(weight_files(path))[:16]
+    fingerprint = hashlib.sha256((json.dumps(arch, sort_keys=True) + weights).encode()).hexdigest()[:16]
+    return fingerprint, weights, arch
+
+
+def legacy_model_fingerprint(path: Path, config: object, recorded_path: str) -> str:
+    """The fingerprint stores recorded before identities were path-free: the whole config (whose
+    ``_name_or_path`` was the folder the model was loaded from) plus names, sizes and edges of the
+    weight files. Recomputed with the folder a store recorded, so such stores keep opening."""
+    settings = dict(config.to_dict(), _name_or_path=recorded_path)
+    return files_fingerprint(path, weight_files(path), json.dumps(settings, sort_keys=True, default=str).encode())[:16]
 
 
 def tokenizer_hash(tokenizer: object) -> str:
@@ -192,12 +238,16 @@ def load_model(
     except OSError as exc:
         raise ModelLoadError(f"cannot load a model from {folder}: {str(exc).splitlines()[0]}") from exc
     model.to(device).eval()
+    fingerprint, weights, arch = model_identity(folder, config)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
         path=str(folder),
-        fingerprint=model_fingerprint(folder, config),
+        fingerprint=fingerprint,
         tokenizer_hash=tokenizer_hash(tokenizer),
         **({} if decode_step is None else {"decode_step": decode_step}),
+        architecture=arch,
+        weights_hash=weights,
+        legacy_fingerprint=lambda recorded: legacy_model_fingerprint(folder, config, recorded),
     )

@@ -14,6 +14,7 @@ with ``paper_defaults``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -44,6 +45,36 @@ DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index sa
 MAX_QUESTION_CHARS = 4000
 MAX_TOP_K = 64
 MAX_TOP_N = 1000
+
+
+@dataclass(frozen=True)
+class GivenDocuments:
+    """Documents sent with a question (the server's ``documents``, ``pced generate --docs``): how
+    many and how long, and the bounded cache their KV caches go to. They never enter a store: the
+    request cache is its own directory, least recently used caches evicted past ``cache_gb``, and
+    shared by identical documents across requests (content-addressed)."""
+
+    max_documents: int = 64  # per question (each is an expert: a batch row per step)
+    max_document_chars: int = 20_000  # checked before any tokenizer loads; tokens: the store's per-document limit
+    cache_gb: float = 2.0  # the request cache's budget on disk
+    cache_dir: str | None = None  # None: under $PCED_CACHE_DIR/kv/, one folder per model, template and dtype
+
+    def __post_init__(self) -> None:
+        if self.max_documents < 1 or self.max_document_chars < 1:
+            raise ValueError("max_documents and max_document_chars must be at least 1")
+        if not (math.isfinite(self.cache_gb) and self.cache_gb > 0):
+            raise ValueError(f"the request cache needs a budget > 0 GB, got {self.cache_gb}")
+
+    def check(self, documents: list) -> None:
+        """Refuse too many or too long documents (``Candidate`` or ``Document``) before any model loads."""
+        if len(documents) > self.max_documents:
+            raise QuestionError(f"at most {self.max_documents} documents per question, got {len(documents)}",
+                                "too_many_documents")
+        for d in documents:
+            text = getattr(d, "document", d).text
+            if len(text) > self.max_document_chars:
+                raise QuestionError(f"document {getattr(d, 'document', d).id!r} has {len(text)} characters; at most "
+                                    f"{self.max_document_chars} per document (split it)", "document_too_long")
 
 
 def is_embedded(model: object) -> bool:

@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
+import math
+
+from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, GivenDocuments, QuestionError
 from ..options import check_question
 from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, ask_options_from,
                      tiers_from)
@@ -18,7 +20,11 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--question", required=True)
     gen.add_argument("--json", action="store_true", help="print the pced ask --json contract")
     gen.add_argument("--template", choices=["rag", "icl"], default="rag")
-    gen.add_argument("--kv-dir", default=None, help="where document caches are stored (default: user cache)")
+    given = GivenDocuments()
+    gen.add_argument("--kv-dir", default=given.cache_dir,
+                     help="the request cache: where document caches are kept (default: user cache, per model)")
+    gen.add_argument("--request-cache-gb", type=float, default=given.cache_gb,
+                     help=f"disk for those caches, least recently used evicted (default {given.cache_gb:g})")
     gen.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
     add_model_options(gen)
     add_decoding_options(gen)
@@ -50,16 +56,31 @@ def read_scored_documents(path: Path):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.request_cache_gb) and args.request_cache_gb > 0):
+        raise InputError(f"--request-cache-gb must be a number > 0, got {args.request_cache_gb}")
+    given = GivenDocuments(cache_gb=args.request_cache_gb, cache_dir=args.kv_dir)
     candidates = read_scored_documents(Path(args.docs))
     check_question(args.question)
+    try:
+        given.check(candidates)  # the server's limits, before any model loads
+    except QuestionError as exc:
+        raise InputError(str(exc)) from None
     options = ask_options_from(args)
     tiers = tiers_from(args)
     from ..generator import Generator
+    from ..kv.budget import gb_to_bytes
     from ..llm import load_model
     from ..pipeline import ask_candidates
+    from ..store import IndexSettings
 
-    generator = Generator(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype,
-                    tiers)
+    llm = load_model(args.model, device=args.device, dtype=args.dtype)
+    limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
+    for c in candidates:
+        n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
+        if n > limit:
+            raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
+    generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
+                          budget_bytes=gb_to_bytes(given.cache_gb))
     asked = ask_candidates(generator, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))

@@ -40,6 +40,11 @@ def add_serve_parser(sub) -> None:
     limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
                         help="stop a request that has run this long (retrieval and generation, not its time in the "
                              f"queue) with a 504 (default {defaults.request_timeout_s:g})")
+    limits.add_argument("--request-cache-gb", type=float, default=defaults.request_cache_gb,
+                        help="disk for the KV caches of documents sent with requests, least recently used evicted "
+                             f"(default {defaults.request_cache_gb:g}; never written into the store)")
+    limits.add_argument("--request-cache-dir", default=None,
+                        help="where those caches live (default: under $PCED_CACHE_DIR/kv, one folder per model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -60,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             flag = "max-tokens-limit" if name == "max_tokens" else name.replace("_", "-")
             raise InputError(f"--{flag} must be at least 1")
+    if not (math.isfinite(args.request_cache_gb) and args.request_cache_gb > 0):
+        raise InputError(f"--request-cache-gb must be a number > 0, got {args.request_cache_gb}")
     try:
         import uvicorn
 
@@ -72,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
                     max_documents=args.max_documents, max_concurrent=args.max_concurrent,
+                    request_cache_gb=args.request_cache_gb,
                     default_max_tokens=min(Limits.default_max_tokens, args.max_tokens),
                     request_timeout_s=args.request_timeout)
     try:
@@ -80,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
-    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm, hosts=(args.host,))
+    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm, hosts=(args.host,),
+                     request_cache_dir=args.request_cache_dir)
     report = app.state.worker.warm_up()
     if args.backend == "vllm":
         print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "

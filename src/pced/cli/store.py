@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import sys
 from importlib import resources
@@ -38,6 +39,9 @@ def add_index_parser(sub) -> None:
                    help=f"longer documents are split into chunks (logged; default {defaults.max_doc_tokens})")
     p.add_argument("--lazy-kv", action="store_true",
                    help="build the retrieval indexes only; encode a document's KV cache the first time it is retrieved")
+    p.add_argument("--kv-budget-gb", type=float, default=defaults.kv_budget_gb,
+                   help="keep the KV caches within this many GB: encoded when first retrieved, least recently used "
+                        "evicted (kept in the manifest; later runs keep it unless given again)")
     p.set_defaults(func=cmd_index)
 
 
@@ -84,7 +88,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .terminal import printable
 
     store = DocumentStore.open(args.store)  # the manifest's schema, documents.jsonl against the retriever indexes
-    index_damage = verify_index_files(store.root / RETRIEVERS_DIR)
+    index_damage = verify_index_files(store.state / RETRIEVERS_DIR)
     report = verify_cache_dir(store.root / "kv", remove=args.remove)
     for line in index_damage + report["damaged"]:
         print(f"pced: damaged: {printable(line, newlines=False)}", file=sys.stderr)
@@ -104,19 +108,24 @@ def cmd_index(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="pced: %(message)s")
     if args.max_doc_tokens < 16:
         raise InputError("--max-doc-tokens must be at least 16")
+    if args.kv_budget_gb is not None and not (math.isfinite(args.kv_budget_gb) and args.kv_budget_gb > 0):
+        raise InputError(f"--kv-budget-gb must be a number > 0, got {args.kv_budget_gb}")
     corpus = read_corpus(args.corpus)  # validated before anything is written
     settings = IndexSettings(
         model=args.model or IndexSettings.model, dense_model=args.dense_model, bge_m3=args.bge_m3, reranker=args.reranker,
         template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
+        kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
     )
-    _, report = index_store(corpus, args.out, settings, encode_kv=not args.lazy_kv)
+    _, report = index_store(corpus, args.out, settings)
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"
-        f"{' (--lazy-kv: the others on first use)' if args.lazy_kv else ''}; "
+        f"{' (the others when first retrieved)' if report['on_demand'] else ''}; "
         f"retrieval indexes built in {report['retrieval_index_s']:.1f} s"
+        + (f"; {report['chunks_replaced']} old chunks replaced" if report["chunks_replaced"] else "")
         + (f"; {report['kv_orphans_removed']} caches of documents no longer in the store removed"
            if report["kv_orphans_removed"] else "")
+        + (f"; {report['kv_evicted']} caches evicted to stay within --kv-budget-gb" if report["kv_evicted"] else "")
     )
     return 0
 

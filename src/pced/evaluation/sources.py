@@ -24,11 +24,9 @@ class CandidateSource:
         self.retriever = store.retriever(config.retriever)
         self.reranker = store.reranker(config.reranker) if config.reranker else None
         self.retriever.scores("warm-up")  # load lazy encoders now, not inside the first retrieval_s
-        chunked = set(store.manifest.get("chunked", []))
-        self.rows: dict[str, list[int]] = {}  # example doc id -> store rows (a long one's chunks "id#n")
+        self.rows: dict[str, list[int]] = {}  # example doc id -> store rows (a long one's chunks)
         for row, doc in enumerate(store.documents):
-            base, _, number = doc.id.rpartition("#")
-            self.rows.setdefault(base if base in chunked and number.isdigit() else doc.id, []).append(row)
+            self.rows.setdefault(doc.owner, []).append(row)
 
     def candidates(self, example: Example, ks: Sequence[int],
                    relevances: Sequence[str | None] = (None,)) -> dict[tuple, list[Candidate]]:
@@ -114,10 +112,8 @@ def _open_or_index(config: EvalConfig, dataset: Dataset, llm, model_setting: str
         raise EvalError(f"{dataset.name}: the loaded examples have no documents to use as experts")
     if (root / "manifest.json").is_file():
         store = DocumentStore.open(root, llm)
-        stored = {d.id for d in store.documents}
-        chunked = set(store.manifest.get("chunked", []))
-        if store.settings.identity() == settings.identity() and all(
-                d.id in stored or d.id in chunked for d in documents):
+        stored = {d.owner for d in store.documents}
+        if store.settings.identity() == settings.identity() and all(d.id in stored for d in documents):
             return store
     print(f"pced: indexing {len(documents)} documents into {root} (once; reused by later runs; a document's "
           f"KV cache is encoded the first time it is a candidate)", flush=True)

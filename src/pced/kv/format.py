@@ -147,6 +147,7 @@ def verify_cache_dir(root: Path, remove: bool = False) -> dict:
         identity = json.loads((root / "kvstore.json").read_text())
     except (OSError, ValueError) as exc:
         raise CacheError(f"{root} has no readable kvstore.json ({exc}); not a KV store") from None
+    identity = {k: v for k, v in identity.items() if k != "model"}  # the folder's name: recorded, not checked
     report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
     files = [(root / "prefix.safetensors", "prefix")] if (root / "prefix.safetensors").is_file() else []
     files += [(path, path.stem) for path in sorted((root / "kv").glob("*/*.safetensors"))]

@@ -42,8 +42,8 @@ def ape_from_store(
     scale: float = AskOptions.ape_scale,
 ) -> APEGeneration:
     """An APEGeneration over document texts (ranked order), encoding any not yet in ``store``."""
-    if store.identity["model_fingerprint"] != llm.fingerprint:
-        raise DataError(f"the KV store {store.root} was built for model {store.identity['model']!r}, not {llm.name!r}")
+    if store.llm.fingerprint != llm.fingerprint:
+        raise DataError(f"the KV store {store.root} was built for model {store.llm.name!r}, not {llm.name!r}")
     digests = store.add(list(documents), progress=False)
     return APEGeneration(
         llm,

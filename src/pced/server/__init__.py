@@ -11,8 +11,12 @@ def __getattr__(name: str):
         from .app import create_app
 
         return create_app
-    if name in ("Limits", "RequestError"):
-        from . import schemas
+    if name == "Limits":
+        from .limits import Limits
 
-        return getattr(schemas, name)
+        return Limits
+    if name == "RequestError":
+        from .schemas import RequestError
+
+        return RequestError
     raise AttributeError(f"module 'pced.server' has no attribute {name!r}")

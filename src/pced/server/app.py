@@ -164,12 +164,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
                backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings(),
-               hosts: tuple[str, ...] = ()) -> FastAPI:
+               hosts: tuple[str, ...] = (), request_cache_dir: str | None = None) -> FastAPI:
     """An app over an opened DocumentStore: on the transformers backend one generation at a time,
     in a worker thread; on the vLLM backend PCED questions decode together in its engine. Without
     ``api_key`` it answers only Host headers that name it (loopback names, the address a request
-    arrived on, and ``hosts``: the names it was bound as)."""
-    worker = Worker(store, limits, backend, vllm)
+    arrived on, and ``hosts``: the names it was bound as). ``request_cache_dir``: where request
+    documents' caches go (None: the user cache, per model)."""
+    worker = Worker(store, limits, backend, vllm, request_cache_dir)
     model_name = model_id or store.llm.name
 
     @asynccontextmanager
@@ -246,9 +247,10 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "documents": len(store.documents), "pending": worker.pending,
+        return {"status": "ok", "model": model_name, "documents": len(worker.store.documents), "pending": worker.pending,
                 "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
-                "kv_pool": worker.pool_health()}
+                "kv_pool": worker.pool_health(), "store": worker.store_health(),
+                "request_cache": worker.request_cache_health()}
 
     @app.get("/defaults")
     async def defaults():

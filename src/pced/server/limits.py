@@ -7,8 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import UserError
-
-from ..options import MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N
+from ..options import MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, GivenDocuments
 from ..sampling import SamplingConfig
 
 SAMPLING = SamplingConfig()
@@ -20,8 +19,9 @@ class Limits:
 
     max_body_bytes: int = 1_000_000
     max_question_chars: int = MAX_QUESTION_CHARS
-    max_documents: int = 64
-    max_document_chars: int = 20_000
+    max_documents: int = GivenDocuments.max_documents
+    max_document_chars: int = GivenDocuments.max_document_chars
+    request_cache_gb: float = GivenDocuments.cache_gb  # request documents' KV caches (never the store's)
     max_top_k: int = MAX_TOP_K
     max_top_n: int = MAX_TOP_N
     max_tokens: int = 1024

@@ -27,7 +27,7 @@ from ..decoding import Deadline, TimeLimitError
 from ..documents import Candidate
 from ..errors import DataError, UserError
 from ..pipeline import ask, ask_candidates
-from ..options import VLLMSettings
+from ..options import GivenDocuments, VLLMSettings
 from .schemas import Job, Limits, RequestError
 
 log = logging.getLogger("pced.server")
@@ -68,11 +68,21 @@ class Run:
 
 
 class Worker:
-    """Owns the store and the generation lanes; counts what happened for /health."""
+    """Owns the store and the generation lanes; counts what happened for /health.
+
+    Documents sent with a request are encoded into the request cache (``requests``: its own
+    directory under a byte budget, ``GivenDocuments``), never into the store. Before each request
+    the worker checks whether ``pced index`` published a new generation of the store and, if so,
+    opens it (same model and caches); requests already running finish on the generation they began with.
+    """
 
     def __init__(self, store, limits: Limits = Limits(), backend: str = "transformers",
-                 vllm: VLLMSettings = VLLMSettings()):
+                 vllm: VLLMSettings = VLLMSettings(), request_cache_dir: str | None = GivenDocuments.cache_dir):
         self.store, self.limits, self.backend, self.vllm = store, limits, backend, vllm
+        self.request_cache_dir = request_cache_dir
+        self._requests = None
+        self.reloads = 0
+        self.reload_error: str | None = None
         self._lanes = {"transformers": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-generate"), 1)}
         if backend == "vllm":
             self._lanes["vllm"] = (ThreadPoolExecutor(max_workers=limits.max_concurrent, thread_name_prefix="pced-vllm-q"),
@@ -100,6 +110,43 @@ class Worker:
         self.store.generator.caches.prefix()
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report
+
+    @property
+    def requests(self):
+        """The Generator for request documents: the store's model and template, the request cache."""
+        if self._requests is None:
+            from ..generator import Generator
+            from ..kv.budget import gb_to_bytes
+
+            store = self.store
+            self._requests = Generator(store.llm, store.settings.template, self.request_cache_dir,
+                                       store.settings.storage_dtype, store.tiers,
+                                       budget_bytes=gb_to_bytes(self.limits.request_cache_gb))
+        return self._requests
+
+    def refresh(self) -> None:
+        """Open the store's newest generation if ``pced index`` published one (under ``_prepare``).
+        If it cannot be opened, keep serving the one we have and say so in /health."""
+        try:
+            if not self.store.changed():
+                return
+            fresh = self.store.reopen()
+            fresh.retrieve("warm up", top_k=1, top_n=1, rerank=False)  # load its indexes now, not mid-question
+        except Exception as exc:  # noqa: BLE001 - the old generation still answers; /health tells why
+            self.reload_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.error("serving store generation %s: could not open the new one: %s", self.store.generation,
+                      self.reload_error)
+            return
+        self.store, self.reload_error = fresh, None
+        self.reloads += 1
+        log.info("serving store generation %s (%d documents)", fresh.generation, len(fresh.documents))
+
+    def store_health(self) -> dict:
+        return {"generation": self.store.generation, "documents": len(self.store.documents), "reloads": self.reloads,
+                "newer_generation_unread": self.reload_error}
+
+    def request_cache_health(self) -> dict | None:
+        return None if self._requests is None else self._requests.caches.stats()
 
     def pool_health(self) -> dict | None:
         """The device tier's budget, bytes held and hits (None without --gpu-cache-gb on a CPU model)."""
@@ -174,11 +221,12 @@ class Worker:
         try:
             with self._prepare:
                 deadline.check()
+                self.refresh()
                 if job.candidates is None:
                     asked = ask(self.store, job.question, job.options)
                 else:
                     self._check_lengths(job.candidates)
-                    asked = ask_candidates(self.store.generator, job.candidates, job.question, job.options)
+                    asked = ask_candidates(self.requests, job.candidates, job.question, job.options)
             generation = asked.generation
             generation.deadline = deadline
             steps = iter(generation)

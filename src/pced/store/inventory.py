@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..documents import Document
-from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR
+from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, state_dir
 
 KV_DIR = "kv"  # the store's KVStore root (pced.kv.store): prefix.safetensors, kv/<h[:2]>/<h>.safetensors
 
@@ -30,7 +30,7 @@ def group_documents(documents: list[Document], chunked: set[str]) -> dict[str, l
     """Owner id -> its stored documents (one, or its chunks in order), in store order."""
     groups: dict[str, list[Document]] = {}
     for document in documents:
-        groups.setdefault(owner_of(document.id, chunked), []).append(document)
+        groups.setdefault(document.source or owner_of(document.id, chunked), []).append(document)
     return groups
 
 
@@ -122,8 +122,9 @@ class Inventory:
     def stats(self) -> dict:
         """Documents, tokens and bytes by part; the KV budget's counters when the store has a budget."""
         rows = self.rows()
-        parts = {"text": tree_bytes(self.root / DOCUMENTS) + tree_bytes(self.root / MANIFEST),
-                 "retrieval": tree_bytes(self.root / RETRIEVERS_DIR), "caches": tree_bytes(self.root / KV_DIR)}
+        state = state_dir(self.root, self.manifest)  # the generation the manifest names
+        parts = {"text": tree_bytes(state / DOCUMENTS) + tree_bytes(self.root / MANIFEST),
+                 "retrieval": tree_bytes(state / RETRIEVERS_DIR), "caches": tree_bytes(self.root / KV_DIR)}
         stats = {"documents": len(rows), "stored_chunks": len(self.documents), "tokens": sum(r["tokens"] for r in rows),
                  "caches_encoded": sum(r["encoded"] for r in rows), "bytes": {**parts, "total": sum(parts.values())}}
         budget = kv_budget_stats(self.root, self.manifest)

@@ -1,8 +1,17 @@
-"""What the store's reader and writer agree on: the format, the settings, the documents file."""
+"""What the store's reader and writer agree on: the format, the settings, the documents file, and
+where one generation of the store's state lives.
+
+A store's state (documents.jsonl and the retriever indexes) is written as a new, complete
+generation ``generations/<n>/`` that is never changed afterwards; ``manifest.json``, replaced
+atomically last, names the generation readers use. A reader reads the manifest once and then only
+files of that generation, so it sees the old state or the new one, never a mix. Stores written
+before generations keep their state at the top level (generation 0) until their next index run.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,6 +24,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 DOCUMENTS = "documents.jsonl"
 RETRIEVERS_DIR = "retrievers"
+GENERATIONS_DIR = "generations"
+LEGACY_CHUNK = re.compile(r"^(.*)#(\d+)$")  # chunk ids before they were reserved ("id#3")
 
 
 class StoreError(DataError):
@@ -34,10 +45,18 @@ class IndexSettings:
     template: str = "rag"
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     max_doc_tokens: int = 1024
+    kv_budget_gb: float | None = None  # keep the KV caches within this size (LRU; encoded on demand); None: all
+    lazy_kv: bool = False  # KV caches encoded when a document is first retrieved (implied by a budget)
 
     def identity(self) -> dict:
-        """The fields an existing store must share (max_doc_tokens and reranker may change)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("reranker", "max_doc_tokens")}
+        """The fields an existing store must share (chunk size, reranker, the model's folder and the
+        cache policy may change; the model's identity is checked by fingerprint)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("reranker", "max_doc_tokens", "kv_budget_gb", "lazy_kv", "model")}
+
+    @property
+    def on_demand(self) -> bool:
+        return self.lazy_kv or self.kv_budget_gb is not None
 
     def document_token_limit(self, max_context: int | None) -> int:
         """Tokens one document (or chunk) may have: ``max_doc_tokens``, and room in the window for
@@ -50,14 +69,41 @@ class IndexSettings:
         return None if is_embedded(self.model) else self.model
 
 
+def generation(manifest: dict) -> int:
+    return int(manifest.get("generation", 0))
+
+
+def state_dir(root: Path, manifest: dict) -> Path:
+    """Where the manifest's generation keeps documents.jsonl and the retriever indexes."""
+    n = generation(manifest)
+    return root / GENERATIONS_DIR / str(n) if n else root
+
+
+def legacy_chunked(manifest: dict) -> list[str]:
+    """The owners of chunks a store wrote before chunks recorded their source (generation 0 only)."""
+    return [] if generation(manifest) else list(manifest.get("chunked", []))
+
+
 def write_documents(documents: list[Document], path: Path) -> None:
-    atomic_write_lines(path, (json.dumps({"id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n"
-                              for d in documents))
+    def record(d: Document) -> dict:
+        return {"id": d.id, "title": d.title, "text": d.text, **({"source": d.source} if d.source else {})}
+
+    atomic_write_lines(path, (json.dumps(record(d), ensure_ascii=False) + "\n" for d in documents))
 
 
-def read_documents(path: Path) -> list[Document]:
+def read_documents(path: Path, chunked: list[str] = ()) -> list[Document]:
+    """The documents of a store; ``chunked`` (the manifest's list) names the owners of chunks
+    written before chunks recorded their source ("id#3")."""
+    chunked = set(chunked)
+
+    def source(record: dict) -> str:
+        if "source" in record:
+            return record["source"]
+        legacy = LEGACY_CHUNK.match(record["id"])
+        return legacy.group(1) if legacy and legacy.group(1) in chunked else ""
+
     with open(path, encoding="utf-8") as handle:
-        return [Document(r["id"], r["text"], r.get("title", "")) for r in map(json.loads, handle) if r]
+        return [Document(r["id"], r["text"], r.get("title", ""), source(r)) for r in map(json.loads, handle) if r]
 
 
 def recover(root: Path) -> None:

@@ -4,6 +4,7 @@ names the file, never a KeyError, AttributeError or TypeError from deep inside a
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -37,9 +38,17 @@ def check_manifest(path: Path, manifest: object) -> dict:
         default = known[name].default
         if value is None and (default is None or default is MISSING):
             continue
-        kind = int if isinstance(default, int) else str
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise damaged(f"settings.{name} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
+        if isinstance(default, bool):
+            ok, what = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif "float" in str(known[name].type):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            what = "a positive number"
+        else:
+            ok, what = isinstance(value, str), "a string"
+        if not ok:
+            raise damaged(f"settings.{name} must be {what}, got {value!r}")
         if name in CHOICES and value not in CHOICES[name]:
             raise damaged(f"settings.{name} must be one of {', '.join(CHOICES[name])}, got {value!r}")
     if settings.get("max_doc_tokens", MIN_DOC_TOKENS) < MIN_DOC_TOKENS:

@@ -1,5 +1,11 @@
 """Opening a store and asking it for candidates (the read path; many readers at once, no writes
-except a document's KV cache encoded the first time it is retrieved from a ``--lazy-kv`` store)."""
+except a document's KV cache encoded the first time it is retrieved from an on-demand store
+(``--lazy-kv``, ``--kv-budget-gb``) and that store's cache counters).
+
+A reader reads ``manifest.json`` once and then only the files of the generation it names
+(``layout.state_dir``), which an index run never changes or removes while it is the current or
+the previous one; ``DocumentStore.changed()`` tells a long-lived reader (the server) that a newer
+generation was published."""
 
 from __future__ import annotations
 
@@ -13,7 +19,10 @@ from ..generator import Generator
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
 from ..options import AskOptions
-from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover
+from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation, legacy_chunked,
+                     read_documents, recover, state_dir)
+
+OPEN_ATTEMPTS = 3  # an index run published (and swept) two generations while this reader was opening one
 from .manifest import check_manifest
 
 
@@ -24,6 +33,8 @@ class DocumentStore:
                  generator: Generator | None = None, tiers: CacheTiers = CacheTiers()):
         self.root, self.manifest, self.documents, self.tiers = root, manifest, documents, tiers
         self.settings = IndexSettings(**manifest["settings"])
+        self.state = state_dir(root, manifest)  # this generation's documents.jsonl and retrievers/
+        self.generation = generation(manifest)
         self._llm, self._generator, self._retrievers, self._reranker = llm, generator, {}, None
 
     @classmethod
@@ -37,31 +48,63 @@ class DocumentStore:
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():
             raise StoreError(f"{root} is not a pced store (no manifest.json); build it with pced index")
-        recover(root)
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as exc:
-            raise StoreError(f"{manifest_path}: not readable JSON ({exc}); re-run pced index") from exc
-        try:
-            documents = read_documents(root / DOCUMENTS)
-        except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
-            raise StoreError(f"{root / DOCUMENTS}: damaged ({type(exc).__name__}: {exc}); re-run pced index") from exc
-        check_manifest(manifest_path, manifest)
+        manifest: dict = {}
+        for attempt in range(OPEN_ATTEMPTS):
+            try:
+                try:
+                    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+                except ValueError as exc:
+                    raise StoreError(f"{manifest_path}: not readable JSON ({exc}); re-run pced index") from exc
+                check_manifest(manifest_path, manifest)
+                if not generation(manifest):
+                    recover(root)  # a store written before generations: undo a killed run's half swap
+                state = state_dir(root, manifest)
+                documents = read_documents(state / DOCUMENTS, legacy_chunked(manifest))
+                ids = [d.id for d in documents]
+                settings = IndexSettings(**manifest["settings"])
+                mismatched = [name for name in index_dirs(settings.bge_m3)
+                              if load_doc_ids(state / RETRIEVERS_DIR / name) != ids]
+            except FileNotFoundError as exc:
+                if attempt + 1 < OPEN_ATTEMPTS and generation(manifest) != _current_generation(manifest_path):
+                    continue  # the generation was swept meanwhile: read the newer one
+                raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
+            except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+                raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
+            break
+        if manifest.get("format") != FORMAT:
+            raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
+        if mismatched:
+            raise StoreError(f"{root}: the {mismatched[0]} index does not match documents.jsonl (an interrupted pced index?); "
+                             "re-run it")
         store = cls(root, manifest, documents, llm if llm is not None else getattr(generator, "llm", None), generator, tiers)
         if store._llm is not None:
             store.check_model(store._llm)
-        ids = [d.id for d in documents]
-        for name in index_dirs(store.settings.bge_m3):
-            if load_doc_ids(root / RETRIEVERS_DIR / name) != ids:
-                raise StoreError(f"{root}: the {name} index does not match documents.jsonl (an interrupted pced index?); re-run it")
         return store
+
+    def cache_stats(self) -> dict:
+        """The KV caches without loading a model: on demand or not, budget (bytes or None), bytes and
+        files held, and the counters persisted by every process that used them (hits, misses, evictions)."""
+        from ..kv.budget import ByteBudget, gb_to_bytes
+
+        kv = self.root / "kv"
+        return {"on_demand": self.settings.on_demand,
+                **ByteBudget(kv, kv / "kv", gb_to_bytes(self.settings.kv_budget_gb)).stats()}
+
+    def changed(self) -> bool:
+        """Whether an index run has published another generation since this one was opened."""
+        return _current_generation(self.root / MANIFEST) != self.generation
+
+    def reopen(self) -> "DocumentStore":
+        """The store's current generation, with this one's model, generator and cache tiers."""
+        return DocumentStore.open(self.root, self._llm, self._generator, self.tiers)
 
     def check_model(self, llm: LoadedModel) -> None:
         stored = self.manifest["model"]
-        if stored["fingerprint"] != llm.fingerprint or stored["tokenizer_hash"] != llm.tokenizer_hash:
+        difference = llm.model_difference(stored)
+        if difference is not None:
             raise StoreError(
                 f"{self.root} was built with model {stored['name']} ({stored['fingerprint']}); "
-                f"this run uses {llm.name} ({llm.fingerprint}): use the same --model or another store"
+                f"this run uses {llm.name} ({llm.fingerprint}), and {difference}: use the same model or another store"
             )
 
     def use_tiers(self, tiers: CacheTiers) -> None:
@@ -80,15 +123,19 @@ class DocumentStore:
     @property
     def generator(self) -> Generator:
         if self._generator is None:
+            from ..kv.budget import gb_to_bytes
+
             self._generator = Generator(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype,
-                                  self.tiers)
+                                        self.tiers, budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
+                                        on_demand=self.settings.on_demand,
+                                        recorded_model_path=self.manifest["model"].get("path"))
         return self._generator
 
     def retriever(self, name: str = AskOptions.retriever):
         from ..retrieval.compose import open_retriever
 
         try:
-            return open_retriever(self.root / RETRIEVERS_DIR, name, self.settings.bge_m3, self._retrievers)
+            return open_retriever(self.state / RETRIEVERS_DIR, name, self.settings.bge_m3, self._retrievers)
         except UserError:  # a retriever this store was not built for: the question's fault
             raise
         except ValueError as exc:
@@ -113,3 +160,10 @@ class DocumentStore:
         return retrieve(question, self.retriever(retriever), top_n=max(top_n, top_k),
                         reranker=self.reranker(reranker_path) if rerank else None, top_k=top_k,
                         documents=self.documents)
+
+
+def _current_generation(manifest_path: Path) -> int | None:
+    try:
+        return generation(json.loads(manifest_path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

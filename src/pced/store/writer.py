@@ -1,29 +1,36 @@
 """Building and extending a store (the write path; one writer at a time).
 
 Indexing is incremental and safe to interrupt: KV files are content-addressed and atomic, so a
-re-run skips what is stored; retriever indexes are built in a staging folder and swapped in;
-documents.jsonl and the manifest are replaced atomically at the end. Opening checks that the
-retriever indexes cover exactly the stored documents, so a half-finished run is reported, not used.
+re-run skips what is stored. The new state (documents.jsonl and the retriever indexes) is built as
+a new generation folder and published by replacing manifest.json (``layout``); readers that opened
+the previous generation keep reading it. What the new state no longer needs is swept one run
+later: the generation before the previous one, and the caches neither the new nor the previous
+state references, so no reader of either ever finds a file gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .. import __version__
-from ..corpus import chunk_corpus
+from ..corpus import CHUNK_ID, chunk_corpus
 from ..documents import Document
 from ..generator import Generator
-from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries, swap_directory
+from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
+from ..kv.budget import GB, gb_to_bytes
 from ..llm import LoadedModel, load_model
-from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, read_documents, recover,
-                     write_documents)
+from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
+                     legacy_chunked, read_documents, recover, state_dir, write_documents)
 from .lock import LOCK_FILE, writer_lock
 from .reader import DocumentStore
+
+LARGE_CORPUS_BYTES = 2 * GB  # above this estimate of the caches' size, pced index suggests on-demand encoding
 
 
 def index_store(corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
@@ -31,10 +38,12 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
                 encode_kv: bool = True) -> tuple[DocumentStore, dict]:
     """Create or extend the store at ``root`` with ``corpus``; returns the opened store and a report.
 
-    ``encode_kv=False`` builds the retrieval indexes only: a document's KV cache is then
-    encoded the first time it is retrieved (content-addressed, so later uses read it).
-    For a large corpus of which few documents are ever asked about. One writer at a time: a
-    second ``index_store`` on the same ``root`` waits for the first, then extends what it wrote."""
+    ``encode_kv=False`` (or ``settings.lazy_kv``, or a ``settings.kv_budget_gb``) builds the
+    retrieval indexes only: a document's KV cache is then encoded the first time it is retrieved
+    (content-addressed, so later uses read it), and with a budget the least recently used are
+    evicted past it. For a large corpus of which few documents are ever asked about. One writer at
+    a time: a second ``index_store`` on the same ``root`` waits for the first, then extends what it
+    wrote. A budget set once is kept by later runs that give none."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
@@ -53,58 +62,130 @@ def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedMod
         raise StoreError(f"{root} is not a pced store (no manifest.json)")
     with writer_lock(root):
         settings = IndexSettings(**json.loads((root / MANIFEST).read_text())["settings"])
-        return _index_locked([], root, settings, llm, False, False, remove=list(doc_ids))
+        # encode_kv: nothing is added; a store's on-demand setting stays as its manifest says
+        return _index_locked([], root, settings, llm, False, True, remove=list(doc_ids))
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
                   progress: bool, encode_kv: bool, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
+    reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
+    if reserved:
+        raise StoreError(f"document id {reserved[0]!r} ends in '#chunk-<n>', which pced reserves for chunks; rename it")
     previous = _previous(root, settings)
     removed = _removed_ids(previous, remove) if remove else set()  # unknown ids fail before any change
-    recover(root)
+    if previous is not None and settings.kv_budget_gb is None:
+        settings = replace(settings, kv_budget_gb=previous.settings.kv_budget_gb)
+    settings = replace(settings, lazy_kv=settings.lazy_kv or not encode_kv)
+    if previous is None or not previous.generation:
+        recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
+    sweep_temporaries(root / GENERATIONS_DIR)
     llm = llm or load_model(settings.model_path)
     if previous is not None:
         previous.check_model(llm)
-    generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype)
+    generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype,
+                          budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
+                          recorded_model_path=previous.manifest["model"].get("path") if previous else None)
     generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
     corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
-    merged, added, updated = merge_documents(previous.documents if previous else [], corpus)
-    merged = [d for d in merged if d.id not in removed]
+    merged, added, updated, replaced = merge_documents(previous.documents if previous else [], corpus)
+    estimate = cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
+    if progress:
+        print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
+    merged = [d for d in merged if d.id not in removed and d.owner not in removed]
     if remove and not merged:
         raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
-    if encode_kv:
+    if not settings.on_demand:
         generator.caches.add([d.render() for d in merged], progress=progress)
     kv_s = time.perf_counter() - started
     started = time.perf_counter()
-    base = root / RETRIEVERS_DIR
-    with staging_dir(base) as staging:
+    number = generation(previous.manifest) + 1 if previous else 1
+    target = root / GENERATIONS_DIR / str(number)
+    if target.exists():  # a killed run got this far; no manifest names it, so no reader uses it
+        shutil.rmtree(target)
+    with staging_dir(target) as staging:
+        (staging / RETRIEVERS_DIR).mkdir()
         reuse = (previous.retriever("dense"), previous.documents) if previous and not settings.bge_m3 else None
-        build_indexes(staging, merged, settings.bge_m3, settings.dense_model, reuse)
-        swap_directory(staging, base)
+        build_indexes(staging / RETRIEVERS_DIR, merged, settings.bge_m3, settings.dense_model, reuse)
+        write_documents(merged, staging / DOCUMENTS)
+        os.replace(staging, target)
     retrieval_s = time.perf_counter() - started
-    write_documents(merged, root / DOCUMENTS)
+    still_chunked = {d.source for d in merged if d.source}
     manifest = {
         "format": FORMAT,
+        "generation": number,
         "pced_version": __version__,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": asdict(settings),
-        "model": {"name": llm.name, "path": llm.path, "fingerprint": llm.fingerprint, "tokenizer_hash": llm.tokenizer_hash},
+        "model": llm.model_record(),
         "template_hash": generator.builder.digest(),
         "documents": len(merged),
-        "chunked": sorted(set((previous.manifest.get("chunked", []) if previous else []) + chunked) - set(remove)),
-        "retrievers": describe_indexes(base, settings.bge_m3),
+        "chunked": sorted(still_chunked),
+        "retrievers": describe_indexes(target / RETRIEVERS_DIR, settings.bge_m3),
+        "kv_bytes_per_token": estimate["bytes_per_token"],
     }
-    atomic_write_json(root / MANIFEST, manifest)
-    # caches of documents the store no longer holds (replaced texts, a killed run's leftovers)
-    orphans = generator.caches.remove_unreferenced(generator.caches.digests([d.render() for d in merged]))
+    atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
+    swept = _sweep_generations(root, keep={number, generation(previous.manifest) if previous else number})
+    # caches of documents neither this state nor the previous one holds (a reader may still use the previous)
+    # (documents removed on request go at once: their caches are what the user asked to delete)
+    keep = [d.render() for d in merged] + ([d.render() for d in previous.documents if d.id not in removed]
+                                           if previous else [])
+    orphans = generator.caches.remove_unreferenced(generator.caches.digests(keep))
+    evicted = generator.caches.budget.record(protect=()) if settings.kv_budget_gb is not None else 0
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-              "kv_encoded": generator.caches.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
-              "kv_orphans_removed": orphans, "removed": sorted(removed)}
+              "chunks_replaced": replaced, "generation": number, "generations_swept": swept,
+              "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
+              "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
+              "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
     return DocumentStore.open(root, generator=generator), report
+
+
+def cache_estimate(llm: LoadedModel, storage_dtype: str, token_counts: list[int]) -> dict:
+    """Disk the KV caches of documents with ``token_counts`` tokens take: keys and values of every
+    layer and key-value head per token (int8 adds a float32 scale per token and head)."""
+    config = llm.model.config
+    layers = int(config.num_hidden_layers)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    width = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[storage_dtype]
+    per_token = 2 * layers * heads * head_dim * width + (layers * heads * 4 if storage_dtype == "int8" else 0)
+    tokens = sum(token_counts)
+    return {"bytes_per_token": per_token, "tokens": tokens, "bytes": per_token * tokens}
+
+
+def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -> str:
+    """The line ``pced index`` prints before it starts: what the caches will take, and what to do about it."""
+    size = estimate["bytes"] / GB
+    line = (f"pced: KV caches take {estimate['bytes_per_token'] / 1024:.1f} KiB per document token with this model "
+            f"({settings.storage_dtype}): about {size:.2f} GB for these {documents} documents "
+            f"({estimate['tokens']} tokens)")
+    if settings.kv_budget_gb is not None:
+        return line + f"; encoded when first retrieved, kept within {settings.kv_budget_gb:g} GB"
+    if settings.on_demand:
+        return line + "; encoded when first retrieved (--lazy-kv)"
+    if estimate["bytes"] > LARGE_CORPUS_BYTES:
+        return line + ("; to encode each document when it is first retrieved instead, and bound the disk used, "
+                       "index with --kv-budget-gb GB (or --lazy-kv)")
+    return line
+
+
+def _sweep_generations(root: Path, keep: set[int]) -> int:
+    """Remove generations no reader can be using: all but the current and the previous one (and
+    the top-level state of a store written before generations, once it is neither)."""
+    removed = 0
+    for folder in (root / GENERATIONS_DIR).iterdir() if (root / GENERATIONS_DIR).is_dir() else []:
+        if folder.name.isdigit() and int(folder.name) not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    if 0 not in keep and (root / DOCUMENTS).exists():
+        (root / DOCUMENTS).unlink(missing_ok=True)
+        shutil.rmtree(root / RETRIEVERS_DIR, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[str]:
@@ -128,23 +209,32 @@ def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
                 f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                 f"{settings.identity()}: use another --out or the same model/retriever settings"
             )
-        return DocumentStore(root, old, read_documents(root / DOCUMENTS))
-    if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, LOCK_FILE)
+        return DocumentStore(root, old, read_documents(state_dir(root, old) / DOCUMENTS, legacy_chunked(old)))
+    if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, GENERATIONS_DIR, LOCK_FILE)
                              and not p.name.startswith(TEMP_PREFIX)):
         raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")
     return None
 
 
-def merge_documents(old: list[Document], new: list[Document]) -> tuple[list[Document], int, int]:
-    """Old documents in their order, replaced where an id comes again with new text, then the new ones."""
-    incoming = {d.id: d for d in new}
-    merged, updated = [], 0
+def merge_documents(old: list[Document], new: list[Document]) -> tuple[list[Document], int, int, int]:
+    """Old documents in their order, each one indexed again replaced with all its chunks (a document
+    owns its chunks: none of the old ones survive), then the new ones. Returns the merged list and
+    how many documents were added and updated, and how many old chunks were replaced."""
+    incoming: dict[str, list[Document]] = {}
+    for d in new:
+        incoming.setdefault(d.owner, []).append(d)
+    merged, updated, replaced, placed = [], 0, 0, set()
+    old_groups: dict[str, list[Document]] = {}
     for d in old:
-        if d.id in incoming:
-            replacement = incoming.pop(d.id)
-            updated += replacement != d
-            merged.append(replacement)
-        else:
+        old_groups.setdefault(d.owner, []).append(d)
+    for d in old:
+        owner = d.owner
+        if owner not in incoming:
             merged.append(d)
-    added = [d for d in new if d.id in incoming]
-    return merged + added, len(added), updated
+        elif owner not in placed:
+            placed.add(owner)
+            updated += incoming[owner] != old_groups[owner]
+            replaced += sum(1 for c in old_groups[owner] if c.source)
+            merged.extend(incoming[owner])
+    added = [owner for owner in incoming if owner not in placed]
+    return merged + [d for owner in added for d in incoming[owner]], len(added), updated, replaced

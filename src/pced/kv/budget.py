@@ -1,0 +1,116 @@
+"""A byte budget over a directory of cache files: the least recently used go first.
+
+One mechanism for both bounded caches pced keeps: a store indexed with ``--kv-budget-gb`` (its
+documents' caches encoded when first retrieved) and the request cache (documents sent with a
+question, never written into a store). Recency is each file's modification time, set when it is
+written and again on every use, so several processes sharing a directory (a server, ``pced ask``,
+``pced generate``) agree on it without a shared ledger. Counters (hits, misses, evictions) live in
+``budget.json`` beside the files, updated under an exclusive ``flock`` so that no process loses
+another's counts.
+
+Evicting a file another process has memory-mapped is safe (the mapping keeps the old inode); a
+process that finds a file it was about to read evicted encodes it again (``KVStore.load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ..fs import atomic_write_json
+
+COUNTERS = "budget.json"
+LOCK = ".budget.lock"
+GB = 1 << 30
+
+
+def gb_to_bytes(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * GB)
+
+
+class ByteBudget:
+    """LRU of the ``*/*.safetensors`` files under ``files_dir`` within ``max_bytes`` (None: no limit,
+    counters only). ``root`` holds the counters and the lock."""
+
+    def __init__(self, root: Path, files_dir: Path, max_bytes: int | None):
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"a cache budget must be >= 0 bytes, got {max_bytes}")
+        self.root, self.files_dir, self.max_bytes = Path(root), Path(files_dir), max_bytes
+        self._thread_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._thread_lock:
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _counters(self) -> dict:
+        try:
+            stored = json.loads((self.root / COUNTERS).read_text())
+        except (OSError, ValueError):
+            stored = {}
+        return {k: int(stored.get(k, 0)) if isinstance(stored.get(k, 0), int) else 0
+                for k in ("hits", "misses", "evictions")}
+
+    def files(self) -> list[tuple[float, int, Path]]:
+        """(last use, bytes, path) of every cache file, least recently used first."""
+        found = []
+        for path in self.files_dir.glob("*/*.safetensors"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # evicted by another process meanwhile
+                continue
+            found.append((stat.st_mtime, stat.st_size, path))
+        return sorted(found)
+
+    @staticmethod
+    def touch(paths: Iterable[Path]) -> None:
+        """Mark files as used now (their place in the LRU order)."""
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
+
+    def record(self, hits: int = 0, misses: int = 0, protect: Iterable[str] = ()) -> int:
+        """Count a use (``hits`` files found, ``misses`` encoded), then evict the least recently used
+        files past the budget, never those named in ``protect`` (stems: the caches in use now).
+        Returns how many were evicted. Only a use that added files (or a bare call: the index run)
+        scans the directory, so a question whose caches were all there costs one small write."""
+        with self._locked():
+            counters = self._counters()
+            grew = misses > 0 or not (hits or misses)
+            evicted = self._evict(set(protect)) if self.max_bytes is not None and grew else 0
+            counters["hits"] += hits
+            counters["misses"] += misses
+            counters["evictions"] += evicted
+            atomic_write_json(self.root / COUNTERS, counters)
+        return evicted
+
+    def _evict(self, protect: set[str]) -> int:
+        files = self.files()
+        total = sum(size for _, size, _ in files)
+        evicted = 0
+        for _, size, path in files:
+            if total <= self.max_bytes:
+                break
+            if path.stem in protect:
+                continue
+            path.unlink(missing_ok=True)
+            total -= size
+            evicted += 1
+        return evicted
+
+    def stats(self) -> dict:
+        """Budget, bytes and files held, and the persisted counters (hits, misses, evictions)."""
+        files = self.files()
+        return {"budget_bytes": self.max_bytes, "bytes": sum(size for _, size, _ in files), "files": len(files),
+                **self._counters()}

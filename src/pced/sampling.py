@@ -20,7 +20,7 @@ class SamplingConfig:
 
     # The one default for answer length: pced ask/chat/generate (--max-new-tokens), the server
     # (max_tokens when a request leaves it out), pced eval. 32 tokens hold the short answers that
-    # retrieval QA asks for (the evaluations in README "Results" ran with it); longer is one flag away.
+    # retrieval QA asks for (the evaluations in docs/results.md ran with it); longer is one flag away.
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_k: int = 0

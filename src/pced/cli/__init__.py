@@ -23,7 +23,7 @@ from .store import add_ask_parser, add_demo_parser, add_index_parser, add_verify
 __all__ = ["InputError", "build_parser", "main"]
 
 
-THREADS_HELP = "CPU threads for the model (default: see README \"Threads\")"
+THREADS_HELP = "CPU threads for the model (default: see docs/performance.md, \"Threads\")"
 
 
 def add_global_options(parser: argparse.ArgumentParser, top: bool = False) -> None:

@@ -39,7 +39,7 @@ def add_eval_parser(sub) -> None:
                         f"PCED-Sparse/-Dense/-ColBERT; default: --retriever's); {SWEEP_HELP}")
     p.add_argument("--follow", default=None,
                    help="PCED decode-time relevance: off, rescore, join, rescore+join (the answer so far ranks "
-                        f"the documents again; see README); {SWEEP_HELP}")
+                        f"the documents again; see docs/rule.md); {SWEEP_HELP}")
     p.add_argument("--max-joins", type=int, default=EVAL.max_joins,
                    help=f"experts that may join per answer with --follow join (default {EVAL.max_joins})")
     top_k = ",".join(map(str, EVAL.top_k))

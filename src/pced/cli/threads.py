@@ -1,6 +1,6 @@
 """How many CPU threads torch uses for one answer (``--threads``).
 
-Measured with ``experiments/threads_bench.py`` (README "Threads"): see ``default_threads`` for the
+Measured with ``experiments/threads_bench.py`` (docs/performance.md, "Threads"): see ``default_threads`` for the
 rule and the numbers behind it. The library itself never changes torch's setting; the CLI and
 ``pced serve`` do, once, before loading a model.
 """

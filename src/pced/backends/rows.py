@@ -62,6 +62,8 @@ class CachedRows(Rows):
             self.cache.write_at(torch.tensor([self.cache.length], device=self.position.device))
             token_buffer = torch.zeros(len(self.position), 1, dtype=torch.long, device=self.position.device)
             state = self._static = (self.cache, token_buffer, self.position[:, None].clone(), self.cache.layers[0].slot)
+            if self.llm.decode_step == "compiled" and self.position.device.type == "cuda":
+                mark_static(self.cache, self.valid, *state[1:])
         _, token_buffer, position, slot = state
         token_buffer.fill_(token)
         logits = step_function(self.llm)(self.llm.model, self.cache, self.valid, token_buffer, position, slot)
@@ -70,6 +72,16 @@ class CachedRows(Rows):
         self.cache.set_length(self.cache.length + 1)
         self.position = position[:, 0]
         return logits
+
+
+def mark_static(cache: BufferCache, *tensors: torch.Tensor) -> None:
+    """CUDA graphs replay only graphs whose mutated inputs have fixed addresses
+    (torch/_inductor/cudagraph_utils.py:404-415, "skipping cudagraphs due to mutated inputs"): the
+    step writes the caches, the validity mask and its own buffers in place, so they are marked."""
+    for layer in cache.layers:
+        tensors += (layer.keys, layer.values)
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 def step_function(llm: LoadedModel):

@@ -58,8 +58,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..llm import load_model
     from ..pipeline import ask_candidates
 
-    generator = Generator(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir, args.storage_dtype,
-                    tiers)
+    if options.backend == "llamacpp":  # the GGUF on llama.cpp, its states in --kv-dir (default: under the cache)
+        from ..backends.llamacpp.generator import LlamaGenerator
+        from ..backends.llamacpp.model import LlamaModel
+
+        generator = LlamaGenerator(LlamaModel(args.model, options.llamacpp), args.template, args.kv_dir, options.llamacpp)
+    else:
+        generator = Generator(load_model(args.model, device=args.device, dtype=args.dtype), args.template, args.kv_dir,
+                              args.storage_dtype, tiers)
     asked = ask_candidates(generator, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))

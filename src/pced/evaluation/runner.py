@@ -182,9 +182,12 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             lists = source.candidates(example, sorted({run.top_k for run in runs}), {run.relevance for run in runs})
             retrieval_s = time.perf_counter() - started
             # KV caches are built offline in the paper: encode this example's new ones before any clock starts
-            store.generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
+            pced_generator = store.llamacpp_generator() if config.backend == "llamacpp" else store.generator
+            pced_generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)),
+                                      progress=False)
             for run in runs:
-                record = evaluate_one(store.generator, dataset, example, run, lists[run.top_k, run.relevance],
+                generator = pced_generator if run.method == "pced" else store.generator
+                record = evaluate_one(generator, dataset, example, run, lists[run.top_k, run.relevance],
                                       sampling, retrieval_s, config.backend, source.again(example))
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..options import AskOptions, VLLMSettings
+from ..options import AskOptions, LlamaSettings, VLLMSettings
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
 from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job
@@ -119,11 +119,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 
 def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
-               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings()) -> FastAPI:
+               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings(),
+               llamacpp: LlamaSettings = LlamaSettings()) -> FastAPI:
     """An app over an opened DocumentStore: on the transformers backend one generation at a time,
     in a worker thread; on the vLLM backend PCED questions decode together in its engine."""
-    worker = Worker(store, limits, backend, vllm)
-    model_name = model_id or store.llm.name
+    worker = Worker(store, limits, backend, vllm, llamacpp)
+    model_name = model_id or worker.llm.name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

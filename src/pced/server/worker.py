@@ -27,7 +27,7 @@ from ..decoding import DecodingError
 from ..documents import Candidate
 from ..pipeline import ask, ask_candidates
 from ..kv.format import CacheError
-from ..options import VLLMSettings
+from ..options import LlamaSettings, VLLMSettings
 from ..store import StoreError
 from .schemas import Job, Limits, RequestError
 
@@ -72,9 +72,11 @@ class Worker:
     """Owns the store and the generation lanes; counts what happened for /health."""
 
     def __init__(self, store, limits: Limits = Limits(), backend: str = "transformers",
-                 vllm: VLLMSettings = VLLMSettings()):
-        self.store, self.limits, self.backend, self.vllm = store, limits, backend, vllm
+                 vllm: VLLMSettings = VLLMSettings(), llamacpp: LlamaSettings = LlamaSettings()):
+        self.store, self.limits, self.backend, self.vllm, self.llamacpp = store, limits, backend, vllm, llamacpp
         self._lanes = {"transformers": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-generate"), 1)}
+        if backend == "llamacpp":  # one question at a time owns the llama.cpp context (batching across questions: docs/llamacpp.md)
+            self._lanes["llamacpp"] = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-llamacpp"), 1)
         if backend == "vllm":
             self._lanes["vllm"] = (ThreadPoolExecutor(max_workers=limits.max_concurrent, thread_name_prefix="pced-vllm-q"),
                                    limits.max_concurrent)
@@ -98,13 +100,22 @@ class Worker:
             report["warm_up_tokens"] = self.engine.warm_up(self.store.generator.builder,
                                                            [d.render() for d in self.store.documents])
             report.update(engine_start_s=self.engine.start_s, warm_up_s=self.engine.warm_up_s)
-        self.store.generator.caches.prefix()
+        self.generator.caches.prefix()
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report
 
+    @property
+    def generator(self):
+        """The generator PCED answers with: llama.cpp's with --backend llamacpp, else the transformers one."""
+        return self.store.llamacpp_generator(self.llamacpp) if self.backend == "llamacpp" else self.store.generator
+
+    @property
+    def llm(self):
+        return self.generator.llm
+
     def pool_health(self) -> dict | None:
         """The device tier's budget, bytes held and hits (None without --gpu-cache-gb on a CPU model)."""
-        pool = self.store.generator.caches.pool
+        pool = getattr(self.generator.caches, "pool", None)
         return None if pool is None else pool.stats()
 
     def backend_health(self) -> dict:
@@ -120,6 +131,8 @@ class Worker:
                 job = replace(job, options=replace(options, backend="vllm", vllm=self.vllm))
             except ValueError as exc:  # what the vLLM backend refuses (sampling)
                 raise RequestError(str(exc), "temperature", "unsupported_value") from None
+        if self.backend == "llamacpp" and options.method == "pced":
+            job = replace(job, options=replace(options, backend="llamacpp", llamacpp=self.llamacpp))
         lane = job.options.backend
         with self._lock:
             if self.pending >= self.limits.max_queue:
@@ -157,7 +170,7 @@ class Worker:
 
     def _check_lengths(self, candidates: list[Candidate]) -> None:
         """Request documents get the store's own limit (longer ones would have been chunked at indexing)."""
-        llm = self.store.llm
+        llm = self.llm
         limit = self.store.settings.document_token_limit(llm.max_context)
         for c in candidates:
             n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
@@ -177,7 +190,7 @@ class Worker:
                     asked = ask(self.store, job.question, job.options)
                 else:
                     self._check_lengths(job.candidates)
-                    asked = ask_candidates(self.store.generator, job.candidates, job.question, job.options)
+                    asked = ask_candidates(self.store.generator_for(job.options), job.candidates, job.question, job.options)
             generation = asked.generation
             steps = iter(generation)
             first = next(steps, None)  # the prefill: its errors still reach the client as a status code
@@ -193,7 +206,7 @@ class Worker:
                 finished = generation.tracker.finished
                 length = len(answer.trace) >= job.options.sampling.max_new_tokens and not finished
                 with self._prepare:
-                    prompt_tokens = len(self.store.llm.tokenizer.encode(job.question, add_special_tokens=False))
+                    prompt_tokens = len(self.llm.tokenizer.encode(job.question, add_special_tokens=False))
                 prompt_tokens += int(answer.stats.get("context_tokens", 0))
                 self._count("completed", run)
                 run.emit("done", Finished(answer, "length" if length else "stop", prompt_tokens))

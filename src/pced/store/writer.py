@@ -28,31 +28,47 @@ from .reader import DocumentStore
 
 def index_store(corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
                 llm: LoadedModel | None = None, progress: bool = True,
-                encode_kv: bool = True) -> tuple[DocumentStore, dict]:
+                encode_kv: bool = True, llamacpp=None) -> tuple[DocumentStore, dict]:
     """Create or extend the store at ``root`` with ``corpus``; returns the opened store and a report.
 
     ``encode_kv=False`` builds the retrieval indexes only: a document's KV cache is then
     encoded the first time it is retrieved (content-addressed, so later uses read it).
     For a large corpus of which few documents are ever asked about. One writer at a time: a
-    second ``index_store`` on the same ``root`` waits for the first, then extends what it wrote."""
+    second ``index_store`` on the same ``root`` waits for the first, then extends what it wrote.
+
+    ``llamacpp`` (a ``LlamaSettings``): encode llama.cpp sequence states of the GGUF model instead
+    of transformers caches (``STORE/llamacpp-<cache type>/`` beside ``kv/``; documents and retrieval
+    indexes are shared, so one store may hold caches for both backends)."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
     with writer_lock(root):
-        return _index_locked(corpus, root, settings, llm, progress, encode_kv)
+        return _index_locked(corpus, root, settings, llm, progress, encode_kv, llamacpp)
+
+
+def _open_generator(root: Path, settings: IndexSettings, llm, llamacpp):
+    """The model and cache writer of the backend that indexes: transformers, or llama.cpp's states."""
+    if llamacpp is None:
+        llm = llm or load_model(settings.model_path)
+        return llm, Generator(llm, settings.template, root / "kv", settings.storage_dtype)
+    from ..backends.llamacpp.generator import LlamaGenerator
+    from ..backends.llamacpp.model import LlamaModel
+    from ..backends.llamacpp.states import states_dir
+
+    llm = llm or LlamaModel(settings.model_path, llamacpp)
+    return llm, LlamaGenerator(llm, settings.template, states_dir(root, llamacpp.cache_type), llamacpp)
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, llamacpp=None) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
     previous = _previous(root, settings)
     recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
-    llm = llm or load_model(settings.model_path)
+    llm, generator = _open_generator(root, settings, llm, llamacpp)
     if previous is not None:
         previous.check_model(llm)
-    generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype)
     generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
     corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
@@ -74,7 +90,8 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         "pced_version": __version__,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": asdict(settings),
-        "model": {"name": llm.name, "path": llm.path, "fingerprint": llm.fingerprint, "tokenizer_hash": llm.tokenizer_hash},
+        "model": {"name": llm.name, "path": llm.path, "fingerprint": llm.fingerprint, "tokenizer_hash": llm.tokenizer_hash,
+                  "backend": getattr(llm, "backend", "transformers")},
         "template_hash": generator.builder.digest(),
         "documents": len(merged),
         "chunked": sorted(set((previous.manifest.get("chunked", []) if previous else []) + chunked)),
@@ -86,7 +103,11 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
               "kv_encoded": generator.caches.last_encoded if encode_kv else 0, "kv_s": kv_s, "retrieval_index_s": retrieval_s,
               "kv_orphans_removed": orphans}
-    return DocumentStore.open(root, generator=generator), report
+    if llamacpp is None:
+        return DocumentStore.open(root, generator=generator), report
+    store = DocumentStore.open(root)
+    store._llama = (llamacpp, generator)
+    return store, report
 
 
 def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:

@@ -37,7 +37,7 @@ MODEL_FAMILY_RULES: dict[str, dict] = {"smollm2": {"gamma": 32.0}}
 
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert", "hybrid-mean", "hybrid-rrf")  # hybrid-*: other fusions of the same indexes
-BACKENDS = ("transformers", "vllm")
+BACKENDS = ("transformers", "vllm", "llamacpp")
 STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kv.segment
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
@@ -226,6 +226,30 @@ class VLLMSettings:
         return args
 
 
+LLAMA_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp KV cache types: a sequence state is stored in it
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How pced runs a GGUF model on llama.cpp (``--backend llamacpp``)."""
+
+    cache_type: str = "f16"  # the KV cache's type (keys and values); q8_0 halves a stored state
+    threads: int | None = None  # None: torch's intra-op threads, i.e. --threads
+    batch_tokens: int = 512  # tokens per llama_decode call (n_batch)
+    # tokens per compute step (n_ubatch): below 64, llama.cpp's CPU kernels give a row the same numbers
+    # whatever else is in the step (measured: at 64 and above a row's logits moved by up to 0.5), so
+    # every PCED row is exactly its expert decoded alone; a step of more rows runs as several
+    ubatch_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.cache_type not in LLAMA_CACHE_TYPES:
+            raise ValueError(f"unknown llama.cpp cache type {self.cache_type!r}; choose one of {', '.join(LLAMA_CACHE_TYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if not 1 <= self.ubatch_tokens <= self.batch_tokens:
+            raise ValueError(f"need 1 <= ubatch_tokens <= batch_tokens, got {self.ubatch_tokens} and {self.batch_tokens}")
+
+
 @dataclass(frozen=True)
 class AskOptions:
     """How to answer one question: method, retrieval, expert pruning, rule, sampling, backend."""
@@ -252,6 +276,7 @@ class AskOptions:
     summary_tokens: int = 128  # MapReduce: tokens per map summary
     backend: str = "transformers"  # or "vllm" (pced only, greedy): the same rule inside a vLLM engine
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # the engine's options, with --backend vllm
+    llamacpp: LlamaSettings = field(default_factory=LlamaSettings)  # with --backend llamacpp (a GGUF model)
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -267,6 +292,8 @@ class AskOptions:
             raise UserError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
         if self.backend == "vllm" and (self.rescore or self.max_joins):
             raise UserError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
+        if self.backend == "llamacpp" and self.method != "pced":
+            raise UserError(f"the llamacpp backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.method != "pced":
             raise UserError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
         if self.backend == "vllm" and self.sampling.temperature > 0:

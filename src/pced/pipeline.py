@@ -61,7 +61,8 @@ class Asked:
 
 def ask_candidates(generator, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
                    retrieval_s: float = 0.0, retrieve: Callable[[str], list[Candidate]] | None = None) -> Asked:
-    """Answer over given candidates with ``generator`` (a ``pced.generator.Generator``). Decode-time
+    """Answer over given candidates with ``generator`` (a ``pced.generator.Generator``, or with
+    ``--backend llamacpp`` a ``pced.backends.llamacpp.generator.LlamaGenerator``). Decode-time
     relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
     (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
@@ -91,7 +92,7 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
 
     started = time.perf_counter()
     candidates = rank(question, options.top_k)
-    return ask_candidates(store.generator, candidates, question, options, time.perf_counter() - started, rank)
+    return ask_candidates(store.generator_for(options), candidates, question, options, time.perf_counter() - started, rank)
 
 
 def follow_for(retrieve, generator, question: str, options: AskOptions):

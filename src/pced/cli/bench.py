@@ -50,6 +50,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="with --random-model: a local tokenizer folder (default: embedded)")
     p.add_argument("--device", default=None, help="with --random-model: cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="with --random-model: float32, bfloat16, float16 (default: auto)")
+    p.add_argument("--beside", default="transformers,vllm",
+                   help="--backend llamacpp: the backends timed beside it in the same run (vllm is skipped where it "
+                        "is not installed; '' for llama.cpp alone)")
     add_backend_options(p)
     p.set_defaults(func=cmd_bench)
 
@@ -78,8 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if args.model is not None:
             raise InputError("--model and --random-model are alternatives: give one")
-        if args.backend == "vllm":
-            raise InputError("--random-model is built in memory; vLLM loads a model folder: use --model with --backend vllm")
+        if args.backend != "transformers":
+            raise InputError(f"--random-model is built in memory; {args.backend} loads a model file: use --model")
         try:
             llm = random_model(args.random_model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                seed=config.seed)
@@ -89,6 +92,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         llm = load_model(args.model, device="cpu" if args.model is None else None,
                          dtype="float32" if args.model is None else "auto")
+    if args.backend == "llamacpp":
+        if args.model is not None:
+            raise InputError("pced bench --backend llamacpp times the embedded model (its GGUF on llama.cpp, its "
+                             "dequantized copy on the others); --model is not supported with it")
+        from ..bench.backends import run_backends_bench
+        from .common import llamacpp_settings_from
+
+        beside = tuple(b.strip() for b in args.beside.split(",") if b.strip())
+        if not set(beside) <= {"transformers", "vllm"}:
+            raise InputError("--beside must be a subset of transformers,vllm")
+        if "vllm" in beside:  # the engine starts before anything imports the retrieval libraries (vLLM 0.32 scans them)
+            try:
+                from ..backends.vllm.engine import shared_engine
+
+                shared_engine(llm.path)
+            except ValueError as exc:
+                print(f"pced: bench: vllm skipped ({exc})")
+                beside = tuple(b for b in beside if b != "vllm")
+        run_backends_bench(llm, config, llamacpp_settings_from(args), beside + ("llamacpp",))
+        print(open(f"{args.out}/bench_backends.md").read())
+        print(f"pced: wrote {args.out}/bench_backends.json and bench_backends.md")
+        return 0
     if args.backend == "vllm":
         from dataclasses import replace
 

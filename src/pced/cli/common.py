@@ -8,12 +8,14 @@ import argparse
 from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..kv.tiers import CacheTiers
-from ..options import BACKENDS, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, VLLMSettings, family_defaults
+from ..options import (BACKENDS, LLAMA_CACHE_TYPES, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, LlamaSettings,
+                       VLLMSettings, family_defaults)
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
 TIERS = CacheTiers()
 VLLM = VLLMSettings()
+LLAMA = LlamaSettings()
 
 
 class InputError(UserError):
@@ -101,7 +103,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
 def add_backend_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument("--backend", choices=BACKENDS, default=AskOptions.backend,
-                       help="transformers (default) or vllm (pced only, greedy; needs pip install 'pced[vllm]')")
+                       help="transformers (default), vllm (pced only, greedy; needs pip install 'pced[vllm]') or "
+                            "llamacpp (pced only; a GGUF model: --model file.gguf; needs pip install 'pced[llamacpp]')")
+    add_llamacpp_options(group)
     cpu, cuda = VLLMSettings.PLATFORM["cpu"], VLLMSettings.PLATFORM["cuda"]
     group.add_argument("--gpu-memory-utilization", type=float, default=VLLM.gpu_memory_utilization,
                        help="vllm: memory share for weights and KV cache (CPU build: RAM for the KV; default "
@@ -122,6 +126,16 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-transfer-config", default=VLLM.kv_transfer_config, metavar="FILE",
                        help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
                             "to keep document KV beyond GPU memory and restarts")
+
+
+def add_llamacpp_options(group) -> None:
+    group.add_argument("--cache-type", choices=LLAMA_CACHE_TYPES, default=LLAMA.cache_type,
+                       help=f"llamacpp: the KV cache type, also of stored sequence states (default {LLAMA.cache_type})")
+
+
+def llamacpp_settings_from(args: argparse.Namespace) -> LlamaSettings:
+    """The llama.cpp settings of --cache-type (threads: --threads, through torch's setting)."""
+    return LlamaSettings(cache_type=getattr(args, "cache_type", LLAMA.cache_type))
 
 
 def vllm_settings_from(args: argparse.Namespace) -> VLLMSettings:
@@ -150,7 +164,7 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
                                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram)
-        return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args))
+        return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args), llamacpp=llamacpp_settings_from(args))
     except UserError as exc:
         raise InputError(str(exc)) from None
 
@@ -162,11 +176,14 @@ def open_store(args: argparse.Namespace):
 
     tiers = tiers_from(args)
     store = DocumentStore.open(args.store, tiers=tiers)
+    if getattr(args, "backend", None) == "llamacpp":  # the GGUF on llama.cpp; the transformers model is never loaded
+        store.llamacpp_generator(llamacpp_settings_from(args), args.model)
+        return store
     if args.model is not None or args.device is not None or args.dtype != "auto":
         llm = load_model(args.model or store.settings.model_path, device=args.device, dtype=args.dtype)
         store = DocumentStore.open(args.store, llm, tiers=tiers)
     return store
 
 
-__all__ = ["InputError", "add_backend_options", "vllm_settings_from", "add_decoding_options", "add_model_options", "add_retrieval_options",
+__all__ = ["InputError", "add_backend_options", "add_llamacpp_options", "llamacpp_settings_from", "vllm_settings_from", "add_decoding_options", "add_model_options", "add_retrieval_options",
            "ask_options_from", "open_store", "parse_beta", "tiers_from"]

@@ -15,7 +15,7 @@ from ..evaluation.config import EvalConfig
 from ..options import METHODS, RETRIEVERS, STORAGE_DTYPES
 
 EVAL = EvalConfig(dataset="")  # the defaults of an evaluation run
-from .common import InputError, add_model_options
+from .common import InputError, add_llamacpp_options, add_model_options
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
 
@@ -72,7 +72,9 @@ def add_eval_parser(sub) -> None:
                    help=f"longer documents are split into chunks (default {EVAL.max_doc_tokens})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--backend", default=EVAL.backend,
-                   help="transformers (default) or vllm: PCED's runs on vLLM (needs pip install 'pced[vllm]'); baselines on transformers")
+                   help="transformers (default), vllm or llamacpp: PCED's runs on vLLM (pip install 'pced[vllm]') or on the "
+                        "store model's GGUF in llama.cpp (pip install 'pced[llamacpp]'); baselines on transformers")
+    add_llamacpp_options(p)
     add_model_options(p)
     p.set_defaults(func=cmd_eval)
 
@@ -158,6 +160,7 @@ def config_from(args: argparse.Namespace):
         max_doc_tokens=_int_option(args.max_doc_tokens, "--max-doc-tokens", 16),
         progress=not args.no_progress,
         backend=args.backend,
+        cache_type=args.cache_type,
         follow=None if args.follow is None else _items(args.follow, "--follow"),
         max_joins=args.max_joins,
     )

@@ -73,14 +73,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..pipeline import ask_candidates
     from ..store import IndexSettings
 
-    llm = load_model(args.model, device=args.device, dtype=args.dtype)
-    limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
-    for c in candidates:
-        n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
-        if n > limit:
-            raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
-    generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
-                          budget_bytes=gb_to_bytes(given.cache_gb))
+    if options.backend == "llamacpp":  # the GGUF on llama.cpp, its states in --kv-dir (default: under the cache)
+        from ..backends.llamacpp.generator import LlamaGenerator
+        from ..backends.llamacpp.model import LlamaModel
+
+        generator = LlamaGenerator(LlamaModel(args.model, options.llamacpp), args.template, args.kv_dir, options.llamacpp)
+    else:
+        llm = load_model(args.model, device=args.device, dtype=args.dtype)
+        limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
+        for c in candidates:
+            n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
+            if n > limit:
+                raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
+        generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
+                              budget_bytes=gb_to_bytes(given.cache_gb))
     asked = ask_candidates(generator, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import UserError
-from .common import InputError, add_backend_options, add_model_options, open_store, vllm_settings_from
+from .common import InputError, add_backend_options, add_model_options, llamacpp_settings_from, open_store, vllm_settings_from
 
 
 def add_serve_parser(sub) -> None:
@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
     app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm, hosts=(args.host,),
-                     request_cache_dir=args.request_cache_dir)
+                     request_cache_dir=args.request_cache_dir, llamacpp=llamacpp_settings_from(args))
     report = app.state.worker.warm_up()
     if args.backend == "vllm":
         print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "

@@ -11,8 +11,8 @@ from importlib import resources
 
 from ..sampling import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
-from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
-                     ask_options_from, open_store)
+from .common import (InputError, add_backend_options, add_decoding_options, add_llamacpp_options, add_model_options,
+                     add_retrieval_options, ask_options_from, llamacpp_settings_from, open_store)
 
 DEMO_QUESTIONS = "demo_questions.json"
 DEMO_CORPUS = "demo_corpus.jsonl"
@@ -29,7 +29,12 @@ def add_index_parser(sub) -> None:
                    'LOFT {"pid", "passage_text", "title_text"?}, {"title", "text"}, or HotpotQA / MuSiQue / NQ '
                    'question or corpus files (every paragraph once)')
     p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
-    p.add_argument("--model", default=None, help="local Hugging Face causal LM (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="local Hugging Face causal LM, or a GGUF file with --backend llamacpp "
+                                                 "(default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", choices=("transformers", "llamacpp"), default=AskOptions.backend,
+                   help="whose document caches to encode: transformers (KV tensors, kv/) or llamacpp (llama.cpp "
+                        "sequence states, llamacpp-<cache type>/); one store may hold both")
+    add_llamacpp_options(p)
     p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--bge-m3", default=defaults.bge_m3, help="local BGE-M3 directory: sparse/dense/ColBERT from BGE-M3 instead of BM25/MiniLM")
     p.add_argument("--reranker", default=defaults.reranker, help="local cross-encoder or bge-reranker-v2-m3 directory, used by pced ask")
@@ -116,7 +121,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
         kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
     )
-    _, report = index_store(corpus, args.out, settings)
+    llamacpp = llamacpp_settings_from(args) if args.backend == "llamacpp" else None
+    _, report = index_store(corpus, args.out, settings, llamacpp=llamacpp)
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"

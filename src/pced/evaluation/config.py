@@ -10,7 +10,7 @@ from typing import Sequence
 from pced.errors import UserError
 from pced.sampling import SamplingConfig
 from pced.kv.tiers import CacheTiers
-from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
+from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions, LlamaSettings
 from pced.rule import Beta, RuleConfig
 from pced.store.layout import IndexSettings
 
@@ -52,6 +52,7 @@ class EvalConfig:
     max_doc_tokens: int = IndexSettings.max_doc_tokens
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
+    cache_type: str = LlamaSettings.cache_type  # --backend llamacpp: its KV cache type
     follow: Sequence[str] | None = None  # PCED decode-time relevance modes to sweep (None: off only)
     max_joins: int = 2  # experts that may join per answer, in the modes with "join"
 

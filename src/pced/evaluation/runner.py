@@ -30,6 +30,7 @@ import numpy as np
 
 from pced.documents import Candidate
 from pced.evaluation.config import EvalConfig, EvalError, RunConfig, build_grid, validate
+from pced.options import LlamaSettings
 from pced.evaluation.datasets import Dataset, Example, load_dataset, score_example
 from pced.evaluation.report import completed_pairs, format_table, write_reports
 from pced.evaluation.sources import CandidateSource, model_name, model_setting_of, prepare_store, safe_name
@@ -139,7 +140,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict:
     identity = {**meta, "model": model_setting, "max_new_tokens": config.max_new_tokens, "seed": config.seed,
                 "bge_m3": config.bge_m3, "reranker": config.reranker, "storage_dtype": config.storage_dtype,
                 "max_doc_tokens": config.max_doc_tokens, "top_n": config.top_n,
-                "backend": None if config.backend == "transformers" else config.backend}
+                "backend": None if config.backend == "transformers" else
+                config.backend + (f":{config.cache_type}" if config.backend == "llamacpp" else "")}
     out.mkdir(parents=True, exist_ok=True)
     _check_run_identity(out, identity)
     results = out / "results.jsonl"
@@ -182,9 +184,13 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             lists = source.candidates(example, sorted({run.top_k for run in runs}), {run.relevance for run in runs})
             retrieval_s = time.perf_counter() - started
             # KV caches are built offline in the paper: encode this example's new ones before any clock starts
-            store.generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)), progress=False)
+            pced_generator = (store.llamacpp_generator(LlamaSettings(cache_type=config.cache_type))
+                              if config.backend == "llamacpp" else store.generator)
+            pced_generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)),
+                                      progress=False)
             for run in runs:
-                record = evaluate_one(store.generator, dataset, example, run, lists[run.top_k, run.relevance],
+                generator = pced_generator if run.method == "pced" else store.generator
+                record = evaluate_one(generator, dataset, example, run, lists[run.top_k, run.relevance],
                                       sampling, retrieval_s, config.backend, source.again(example))
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")

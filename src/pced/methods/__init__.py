@@ -55,13 +55,15 @@ BUILDERS: dict[str, Callable[..., Generation]] = {"pced": _pced, "all": _concate
 def start(generator, candidates: Sequence[Candidate], question: str, options: AskOptions, rule: RuleConfig | None = None,
           follow=None) -> Generation:
     """``options.method`` on ``options.backend`` over ``candidates``, with ``generator``'s model, prompt
-    builder and KV store (a ``pced.generator.Generator``); ``rule`` None is the model family's rule;
+    builder and KV store (a ``pced.generator.Generator``, or a ``LlamaGenerator`` on llamacpp); ``rule`` None is the model family's rule;
     ``follow`` (PCED only) is decode-time relevance (``methods.follow``)."""
     if options.backend == "vllm":  # PCED only (AskOptions refuses the rest)
         from ..backends.vllm.engine import VLLMGeneration, shared_engine
 
         return VLLMGeneration(shared_engine(generator.llm.path, options.vllm), generator.llm, generator.builder, candidates,
                               question, rule if rule is not None else options.rule(generator.llm), options.sampling)
+    if options.backend == "llamacpp":  # PCED only (AskOptions refuses the rest): a LlamaGenerator's own rows
+        return generator.stream(list(candidates), question, rule, options.sampling, follow)
     return BUILDERS[check_method(options.method)](generator, list(candidates), question, rule, options, follow)
 
 

@@ -27,7 +27,7 @@ from ..decoding import Deadline, TimeLimitError
 from ..documents import Candidate
 from ..errors import DataError, UserError
 from ..pipeline import ask, ask_candidates
-from ..options import GivenDocuments, VLLMSettings
+from ..options import GivenDocuments, LlamaSettings, VLLMSettings
 from .schemas import Job, Limits, RequestError
 
 log = logging.getLogger("pced.server")
@@ -77,13 +77,16 @@ class Worker:
     """
 
     def __init__(self, store, limits: Limits = Limits(), backend: str = "transformers",
-                 vllm: VLLMSettings = VLLMSettings(), request_cache_dir: str | None = GivenDocuments.cache_dir):
-        self.store, self.limits, self.backend, self.vllm = store, limits, backend, vllm
+                 vllm: VLLMSettings = VLLMSettings(), request_cache_dir: str | None = GivenDocuments.cache_dir,
+                 llamacpp: LlamaSettings = LlamaSettings()):
+        self.store, self.limits, self.backend, self.vllm, self.llamacpp = store, limits, backend, vllm, llamacpp
         self.request_cache_dir = request_cache_dir
         self._requests = None
         self.reloads = 0
         self.reload_error: str | None = None
         self._lanes = {"transformers": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-generate"), 1)}
+        if backend == "llamacpp":  # one question at a time owns the llama.cpp context (batching across questions: docs/llamacpp.md)
+            self._lanes["llamacpp"] = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-llamacpp"), 1)
         if backend == "vllm":
             self._lanes["vllm"] = (ThreadPoolExecutor(max_workers=limits.max_concurrent, thread_name_prefix="pced-vllm-q"),
                                    limits.max_concurrent)
@@ -107,7 +110,7 @@ class Worker:
             report["warm_up_tokens"] = self.engine.warm_up(self.store.generator.builder,
                                                            [d.render() for d in self.store.documents])
             report.update(engine_start_s=self.engine.start_s, warm_up_s=self.engine.warm_up_s)
-        self.store.generator.caches.prefix()
+        self.generator.caches.prefix()
         self.store.retrieve("warm up", top_k=1, top_n=1, rerank=False)
         return report
 
@@ -148,9 +151,18 @@ class Worker:
     def request_cache_health(self) -> dict | None:
         return None if self._requests is None else self._requests.caches.stats()
 
+    @property
+    def generator(self):
+        """The generator PCED answers with: llama.cpp's with --backend llamacpp, else the transformers one."""
+        return self.store.llamacpp_generator(self.llamacpp) if self.backend == "llamacpp" else self.store.generator
+
+    @property
+    def llm(self):
+        return self.generator.llm
+
     def pool_health(self) -> dict | None:
         """The device tier's budget, bytes held and hits (None without --gpu-cache-gb on a CPU model)."""
-        pool = self.store.generator.caches.pool
+        pool = getattr(self.generator.caches, "pool", None)
         return None if pool is None else pool.stats()
 
     def backend_health(self) -> dict:
@@ -166,6 +178,8 @@ class Worker:
                 job = replace(job, options=replace(options, backend="vllm", vllm=self.vllm))
             except UserError as exc:  # what the vLLM backend refuses (sampling)
                 raise RequestError(str(exc), "temperature", "unsupported_value") from None
+        if self.backend == "llamacpp" and options.method == "pced":
+            job = replace(job, options=replace(options, backend="llamacpp", llamacpp=self.llamacpp))
         lane = job.options.backend
         with self._lock:
             if self.pending >= self.limits.max_queue:
@@ -203,7 +217,7 @@ class Worker:
 
     def _check_lengths(self, candidates: list[Candidate]) -> None:
         """Request documents get the store's own limit (longer ones would have been chunked at indexing)."""
-        llm = self.store.llm
+        llm = self.llm
         limit = self.store.settings.document_token_limit(llm.max_context)
         for c in candidates:
             n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
@@ -226,6 +240,9 @@ class Worker:
                     asked = ask(self.store, job.question, job.options)
                 else:
                     self._check_lengths(job.candidates)
+                    if job.options.backend == "llamacpp":  # its states would go into the store: not yet
+                        raise RequestError("documents sent with a request are not supported on the llamacpp backend yet",
+                                           "documents", "unsupported_value")
                     asked = ask_candidates(self.requests, job.candidates, job.question, job.options)
             generation = asked.generation
             generation.deadline = deadline
@@ -243,7 +260,7 @@ class Worker:
                 finished = generation.tracker.finished
                 length = len(answer.trace) >= job.options.sampling.max_new_tokens and not finished
                 with self._prepare:
-                    prompt_tokens = len(self.store.llm.tokenizer.encode(job.question, add_special_tokens=False))
+                    prompt_tokens = len(self.llm.tokenizer.encode(job.question, add_special_tokens=False))
                 prompt_tokens += int(answer.stats.get("context_tokens", 0))
                 self._count("completed", run)
                 run.emit("done", Finished(answer, "length" if length else "stop", prompt_tokens))

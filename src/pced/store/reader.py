@@ -36,6 +36,7 @@ class DocumentStore:
         self.state = state_dir(root, manifest)  # this generation's documents.jsonl and retrievers/
         self.generation = generation(manifest)
         self._llm, self._generator, self._retrievers, self._reranker = llm, generator, {}, None
+        self._llama = None  # (settings, LlamaGenerator) with --backend llamacpp
 
     @classmethod
     def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, generator: Generator | None = None,
@@ -99,8 +100,14 @@ class DocumentStore:
         return DocumentStore.open(self.root, self._llm, self._generator, self.tiers)
 
     def check_model(self, llm: LoadedModel) -> None:
+        """The model must be the one the store was indexed with; on another backend (a GGUF on
+        llama.cpp beside its dequantized copy on transformers) its tokenizer must be, since the
+        documents were chunked with it, and each backend's cache directory pins its own weights."""
         stored = self.manifest["model"]
-        difference = llm.model_difference(stored)
+        if getattr(llm, "backend", "transformers") != stored.get("backend", "transformers"):
+            difference = None if stored["tokenizer_hash"] == llm.tokenizer_hash else "its tokenizer differs"
+        else:
+            difference = llm.model_difference(stored)
         if difference is not None:
             raise StoreError(
                 f"{self.root} was built with model {stored['name']} ({stored['fingerprint']}); "
@@ -130,6 +137,27 @@ class DocumentStore:
                                         on_demand=self.settings.on_demand,
                                         recorded_model_path=self.manifest["model"].get("path"))
         return self._generator
+
+    def llamacpp_generator(self, settings=None, model: str | None = None):
+        """The store's model on llama.cpp (its GGUF: the embedded model as it ships, or the
+        ``--model file.gguf`` it was indexed with; ``model`` another GGUF with the same tokenizer),
+        with the sequence states under ``llamacpp-<cache type>/``."""
+        from ..backends.llamacpp.generator import LlamaGenerator
+        from ..backends.llamacpp.model import LlamaModel
+        from ..backends.llamacpp.states import states_dir
+        from ..options import LlamaSettings
+
+        settings = settings if settings is not None else LlamaSettings()
+        if self._llama is None or self._llama[0] != settings or (model is not None and self._llama[1].llm.path != model):
+            llm = LlamaModel(model or self.settings.model_path, settings)
+            self.check_model(llm)
+            self._llama = (settings, LlamaGenerator(llm, self.settings.template,
+                                                    states_dir(self.root, settings.cache_type), settings))
+        return self._llama[1]
+
+    def generator_for(self, options: AskOptions):
+        """The generator of ``options.backend``: llama.cpp's for llamacpp, else the transformers one."""
+        return self.llamacpp_generator(options.llamacpp) if options.backend == "llamacpp" else self.generator
 
     def retriever(self, name: str = AskOptions.retriever):
         from ..retrieval.compose import open_retriever

@@ -35,7 +35,7 @@ LARGE_CORPUS_BYTES = 2 * GB  # above this estimate of the caches' size, pced ind
 
 def index_store(corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
                 llm: LoadedModel | None = None, progress: bool = True,
-                encode_kv: bool = True) -> tuple[DocumentStore, dict]:
+                encode_kv: bool = True, llamacpp=None) -> tuple[DocumentStore, dict]:
     """Create or extend the store at ``root`` with ``corpus``; returns the opened store and a report.
 
     ``encode_kv=False`` (or ``settings.lazy_kv``, or a ``settings.kv_budget_gb``) builds the
@@ -43,12 +43,26 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
     (content-addressed, so later uses read it), and with a budget the least recently used are
     evicted past it. For a large corpus of which few documents are ever asked about. One writer at
     a time: a second ``index_store`` on the same ``root`` waits for the first, then extends what it
-    wrote. A budget set once is kept by later runs that give none."""
+    wrote. A budget set once is kept by later runs that give none.
+
+    ``llamacpp`` (a ``LlamaSettings``): encode llama.cpp sequence states of the GGUF model instead
+    of transformers caches (``STORE/llamacpp-<cache type>/`` beside ``kv/``; documents and retrieval
+    indexes are shared, so one store may hold caches for both backends)."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
     with writer_lock(root):
-        return _index_locked(corpus, root, settings, llm, progress, encode_kv)
+        return _index_locked(corpus, root, settings, llm, progress, encode_kv, llamacpp)
+
+
+def _llama_generator(root: Path, settings: IndexSettings, llm, llamacpp):
+    """The GGUF on llama.cpp and its sequence-state writer (``STORE/llamacpp-<cache type>/``)."""
+    from ..backends.llamacpp.generator import LlamaGenerator
+    from ..backends.llamacpp.model import LlamaModel
+    from ..backends.llamacpp.states import states_dir
+
+    llm = llm or LlamaModel(settings.model_path, llamacpp)
+    return llm, LlamaGenerator(llm, settings.template, states_dir(root, llamacpp.cache_type), llamacpp)
 
 
 def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
@@ -67,7 +81,7 @@ def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedMod
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, llamacpp=None, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
     reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
@@ -82,18 +96,24 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
     sweep_temporaries(root / GENERATIONS_DIR)
-    llm = llm or load_model(settings.model_path)
+    if llamacpp is not None and settings.kv_budget_gb is not None:
+        raise StoreError("--kv-budget-gb keeps transformers caches; it cannot be combined with --backend llamacpp yet")
+    if llamacpp is None:
+        llm = llm or load_model(settings.model_path)
+        generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype,
+                              budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
+                              recorded_model_path=previous.manifest["model"].get("path") if previous else None)
+    else:
+        llm, generator = _llama_generator(root, settings, llm, llamacpp)
     if previous is not None:
         previous.check_model(llm)
-    generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype,
-                          budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
-                          recorded_model_path=previous.manifest["model"].get("path") if previous else None)
     generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
     corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
     merged, added, updated, replaced = merge_documents(previous.documents if previous else [], corpus)
-    estimate = cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
-    if progress:
+    estimate = (cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
+                if llamacpp is None else None)  # llama.cpp's state size is known once a document is encoded
+    if progress and estimate is not None:
         print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
     merged = [d for d in merged if d.id not in removed and d.owner not in removed]
     if remove and not merged:
@@ -126,7 +146,7 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         "documents": len(merged),
         "chunked": sorted(still_chunked),
         "retrievers": describe_indexes(target / RETRIEVERS_DIR, settings.bge_m3),
-        "kv_bytes_per_token": estimate["bytes_per_token"],
+        "kv_bytes_per_token": estimate["bytes_per_token"] if estimate else None,
     }
     atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
     swept = _sweep_generations(root, keep={number, generation(previous.manifest) if previous else number})
@@ -141,7 +161,11 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
               "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
               "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
               "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
-    return DocumentStore.open(root, generator=generator), report
+    if llamacpp is None:
+        return DocumentStore.open(root, generator=generator), report
+    store = DocumentStore.open(root)
+    store._llama = (llamacpp, generator)
+    return store, report
 
 
 def cache_estimate(llm: LoadedModel, storage_dtype: str, token_counts: list[int]) -> dict:

@@ -1,0 +1,274 @@
+"""A GGUF model on llama.cpp (through llama-cpp-python's C bindings), as the loop needs it.
+
+``LlamaModel`` is what the rest of pced calls a model: ``tokenizer`` (a transformers tokenizer
+read from the GGUF's own vocabulary and chat template, so that prompts are the same token ids
+on every backend), ``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and
+``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
+computes on them directly.
+
+``LlamaContext`` is one llama.cpp context with a unified KV cache: sequences are rows (sequence 0
+the amateur, one per expert), ``decode`` runs one ``llama_batch`` of (token, position, sequence)
+entries and returns the logits of those that asked for them, and a sequence's cells can be
+copied (``seq_cp``: the shared prefix, no memory copied), removed, saved and restored
+(``state_seq_get_data`` / ``set_data``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...fingerprint import files_fingerprint
+from ...llm import ModelLoadError, cache_root, tokenizer_hash
+from ...options import LlamaSettings
+
+GGUF_MAGIC = b"GGUF"
+GGML_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type of the KV cache
+
+
+def require_llama_cpp():
+    """The low-level bindings, or a one-line error saying how to install them."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ModelLoadError("the llamacpp backend needs llama-cpp-python: pip install 'pced[llamacpp]' "
+                             f"(importing it failed: {exc})") from None
+    return llama_cpp
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def resolve_gguf(model: str | os.PathLike | None) -> Path:
+    """The GGUF file of a ``--model`` setting (None / "embedded": the embedded model's, as it ships)."""
+    from ...options import is_embedded
+    from ...llm import _embedded_gguf
+
+    if is_embedded(model if model is None else str(model)):
+        return _embedded_gguf()
+    path = Path(model).expanduser()
+    if not path.is_file() or not is_gguf(path):
+        raise ModelLoadError(f"the llamacpp backend needs a GGUF file (--model file.gguf); {path} is not one")
+    return path
+
+
+_BACKEND_READY = threading.Lock()
+_BACKEND_STARTED = False
+_LOG_CALLBACK = None  # kept alive: llama.cpp calls it for every log line
+
+
+def _start_backend(lib) -> None:
+    global _BACKEND_STARTED, _LOG_CALLBACK
+    with _BACKEND_READY:
+        if _BACKEND_STARTED:
+            return
+        if not os.environ.get("PCED_LLAMA_LOG"):  # llama.cpp logs every load to stderr; pced's output stays clean
+            _LOG_CALLBACK = lib.llama_log_callback(lambda level, text, data: None)
+            lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
+        lib.llama_backend_init()
+        _BACKEND_STARTED = True
+
+
+def gguf_tokenizer(path: Path, fingerprint: str):
+    """The GGUF's tokenizer as a transformers tokenizer. transformers converts a GGUF vocabulary in
+    tens of seconds, so the first load saves it (tokenizer files only, no weights) under the cache."""
+    from transformers import AutoTokenizer
+
+    from ...fs import staging_dir, swap_directory
+
+    target = cache_root() / "tokenizers" / f"{path.stem}-{fingerprint[:12]}"
+    if (target / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(target, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with staging_dir(target) as staging:
+        tokenizer.save_pretrained(staging)
+        swap_directory(staging, target)
+    return tokenizer
+
+
+class LlamaModel:
+    """A GGUF model loaded by llama.cpp, with the tokenizer and identity pced records."""
+
+    backend = "llamacpp"
+
+    def __init__(self, model: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
+        from ...options import EMBEDDED_NAME, is_embedded
+
+        self.lib = require_llama_cpp()
+        self.gguf = resolve_gguf(model)
+        self.settings = settings
+        self.path = str(self.gguf)
+        self.name = EMBEDDED_NAME if is_embedded(model if model is None else str(model)) else self.gguf.stem
+        self.fingerprint = files_fingerprint(self.gguf.parent, [self.gguf], b"gguf")[:16]
+        self.tokenizer = gguf_tokenizer(self.gguf, self.fingerprint)
+        self.tokenizer_hash = tokenizer_hash(self.tokenizer)
+        _start_backend(self.lib)
+        params = self.lib.llama_model_default_params()
+        params.n_gpu_layers = 0 if not torch.cuda.is_available() else -1
+        self.handle = self.lib.llama_model_load_from_file(self.path.encode(), params)
+        if not self.handle:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}")
+        self.vocab = self.lib.llama_model_get_vocab(self.handle)
+        self.n_vocab = int(self.lib.llama_vocab_n_tokens(self.vocab))
+        self.max_context = int(self.lib.llama_model_n_ctx_train(self.handle))
+        self.version = getattr(self.lib, "__version__", "") or _package_version()
+        self._contexts: dict[str, LlamaContext] = {}
+        self.lock = threading.RLock()  # one question at a time owns the context
+
+    def model_record(self) -> dict:
+        """What a store's manifest records about the GGUF that built it."""
+        return {"name": self.name, "path": self.path, "fingerprint": self.fingerprint,
+                "tokenizer_hash": self.tokenizer_hash, "backend": self.backend}
+
+    def model_difference(self, stored: dict) -> str | None:
+        """None when a manifest's ``model`` record names this GGUF; else what differs."""
+        if stored.get("tokenizer_hash") != self.tokenizer_hash:
+            return "its tokenizer differs"
+        return None if stored.get("fingerprint") == self.fingerprint else "its GGUF weights differ"
+
+    def eos_token_ids(self) -> set[int]:
+        ids = {int(self.lib.llama_vocab_eos(self.vocab)), int(self.lib.llama_vocab_eot(self.vocab))}
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return {i for i in ids if i >= 0}
+
+    @property
+    def threads(self) -> int:
+        return self.settings.threads or torch.get_num_threads()
+
+    def context(self, cells: int, sequences: int, role: str = "decode") -> "LlamaContext":
+        """The model's context for ``role`` ("decode": the question's rows; "encode": documents
+        being stored, so that a document encoded mid-answer leaves the rows alone), with room for
+        ``cells`` KV cells and ``sequences`` sequences (made again, larger, when a question needs
+        more; emptied either way). Callers hold ``lock``."""
+        ctx = self._contexts.get(role)
+        if ctx is None or ctx.n_ctx < cells or ctx.n_seq < sequences or ctx.threads != self.threads:
+            if ctx is not None:
+                ctx.free()
+                del self._contexts[role]
+            n_ctx = max(4096, 1 << (max(cells, 1) - 1).bit_length())
+            self._contexts[role] = ctx = LlamaContext(self, n_ctx, max(sequences, 32), self.threads)
+        ctx.clear()
+        return ctx
+
+    def identity(self) -> dict:
+        return {"backend": self.backend, "model": self.name, "model_fingerprint": self.fingerprint,
+                "tokenizer_hash": self.tokenizer_hash, "llama_cpp": self.version,
+                "cache_type": self.settings.cache_type}
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama_cpp_python")
+    except PackageNotFoundError:
+        return ""
+
+
+class LlamaContext:
+    """One llama.cpp context: a unified KV cache shared by ``n_seq`` sequences."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq: int, threads: int):
+        lib = self.lib = model.lib
+        self.model, self.n_ctx, self.n_seq, self.threads = model, n_ctx, n_seq, threads
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch, params.n_ubatch = model.settings.batch_tokens, model.settings.ubatch_tokens
+        params.n_seq_max = n_seq
+        params.n_threads = params.n_threads_batch = threads
+        params.type_k = params.type_v = GGML_TYPES[model.settings.cache_type]
+        # flash attention always: a q8_0 V cache needs it, and a state's layout depends on it (V transposed without)
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.kv_unified = True  # one pool of cells for every sequence: a shared prefix is stored once
+        params.no_perf = True
+        self.handle = lib.llama_init_from_model(model.handle, params)
+        if not self.handle:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells and {n_seq} sequences")
+        self.memory = lib.llama_get_memory(self.handle)
+        self.n_vocab = model.n_vocab
+        self._batch = None
+        self._batch_size = 0
+
+    def free(self) -> None:
+        if self._batch is not None:
+            self.lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self.handle:
+            self.lib.llama_free(self.handle)
+            self.handle = None
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+
+    def seq_cp(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
+        self.lib.llama_memory_seq_cp(self.memory, source, target, start, end)
+
+    def seq_rm(self, seq: int, start: int = -1, end: int = -1) -> None:
+        if not self.lib.llama_memory_seq_rm(self.memory, seq, start, end):
+            raise RuntimeError(f"llama.cpp could not remove cells [{start}, {end}) of sequence {seq}")
+
+    def get_state(self, seq: int) -> np.ndarray:
+        """Sequence ``seq``'s KV cells (positions, keys, values) as llama.cpp serializes them."""
+        size = int(self.lib.llama_state_seq_get_size(self.handle, seq))
+        data = np.empty(size, dtype=np.uint8)
+        written = int(self.lib.llama_state_seq_get_data(self.handle, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                        size, seq))
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {seq}'s state")
+        return data
+
+    def set_state(self, seq: int, data: np.ndarray) -> None:
+        """Restore a state into sequence ``seq`` (whatever it held is removed first)."""
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        read = int(self.lib.llama_state_seq_set_data(self.handle, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                     data.size, seq))
+        if read != data.size:
+            raise RuntimeError(f"llama.cpp could not restore a sequence state of {data.size} bytes (read {read}): "
+                               "built by another llama.cpp version or model, or the context is full")
+
+    def _batch_for(self, size: int):
+        if size > self._batch_size:
+            if self._batch is not None:
+                self.lib.llama_batch_free(self._batch)
+            self._batch = self.lib.llama_batch_init(size, 0, 1)
+            self._batch_size = size
+        return self._batch
+
+    def decode(self, tokens, positions, seqs, outputs) -> torch.Tensor:
+        """Run entries (token, position, sequence, wants logits) through the model, ``batch_tokens``
+        at a time; returns the logits of the entries that want them, in order, as [R, V] float32."""
+        n = len(tokens)
+        step = self.model.settings.batch_tokens
+        rows = []
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            batch = self._batch_for(step)
+            for i, j in enumerate(range(start, end)):
+                batch.token[i] = tokens[j]
+                batch.pos[i] = positions[j]
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seqs[j]
+                batch.logits[i] = 1 if outputs[j] else 0
+            batch.n_tokens = end - start
+            status = int(self.lib.llama_decode(self.handle, batch))
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed ({status}): "
+                                   + ("the KV cache is full" if status == 1 else "see PCED_LLAMA_LOG=1"))
+            wanted = sum(1 for j in range(start, end) if outputs[j])
+            if wanted:
+                pointer = self.lib.llama_get_logits(self.handle)
+                rows.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, self.n_vocab)).copy()))
+        if not rows:
+            return torch.empty(0, self.n_vocab)
+        return torch.cat(rows) if len(rows) > 1 else rows[0]

@@ -5,7 +5,7 @@ Q * (k + 1) rows (Q questions batched) against Q steps of k + 1 rows (answered i
 embedded GGUF, rows holding ``--doc-tokens`` cells each (random tokens: speed does not depend on
 them). Prints and saves JSON + Markdown (medians of ``--repeats`` steps).
 
-    python scripts/llamacpp_batching.py --out runs/llamacpp-batching
+    python experiments/llamacpp_batching.py --out runs/llamacpp-batching
 """
 
 from __future__ import annotations

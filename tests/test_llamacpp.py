@@ -94,7 +94,7 @@ def test_restored_state_gives_the_logits_of_encoding_the_document_again(tmp_path
 @pytest.mark.slow
 def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model):
     lib = _llama()
-    from pced.backends.llamacpp.generator import LlamaGenerator
+    from pced.generator import LlamaGenerator
 
     generator = LlamaGenerator(llama_model, "rag", tmp_path / "states")
     rule = RuleConfig(beta=0.0, gamma=0.0, aggregation="max", score_space="logits")

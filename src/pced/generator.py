@@ -1,6 +1,7 @@
 """The Python API over given documents: candidates + question -> a streaming PCED Generation or an Answer.
 
-``Generator`` ties a loaded model, a prompt builder and a KV store together. Documents are encoded
+``Generator`` ties a loaded model, a prompt builder and a KV store together (``LlamaGenerator``:
+a GGUF on llama.cpp, its prompt builder and its sequence-state store). Documents are encoded
 into the store the first time they are seen (later calls reuse the stored caches), so
 ``pced generate`` on the same documents twice pays the encoding once. A rule left None is the
 model family's (``pced.options.resolve_rule``), the same one ``pced ask`` and the server use.
@@ -20,9 +21,13 @@ from .kv.segment import DocKV
 from .kv.store import KVStore
 from .options import DEFAULT_STORAGE_DTYPE
 from .llm import LoadedModel, cache_root, load_model
-from .methods.pced import PCEDGeneration, pced_from_store
+from .methods.pced import Expert, PCEDGeneration, pced_from_store
 from .prompts import TEMPLATES, PromptBuilder, Template
+from .options import LlamaSettings
 from .rule import RuleConfig
+from .backends.llamacpp.model import LlamaModel
+from .backends.llamacpp.states import SeqState, StateStore
+from .methods.pced_llamacpp import LlamaPCEDGeneration
 
 
 def default_kv_dir(llm: LoadedModel, template: Template, storage_dtype: str) -> Path:
@@ -69,4 +74,41 @@ class Generator:
 
     def answer(self, *args, **kwargs) -> Answer:
         """``stream`` with the same arguments, to completion."""
+        return self.stream(*args, **kwargs).answer()
+
+
+def default_states_dir(llm: LlamaModel, template: Template) -> Path:
+    return cache_root() / "kv" / f"{llm.name}-{llm.fingerprint[:8]}-{template.name}-llamacpp-{llm.settings.cache_type}"
+
+
+class LlamaGenerator:
+    """One GGUF model + one template + one state store; answers questions over given candidates."""
+
+    def __init__(self, llm: LlamaModel | None = None, template: Template | str = "rag",
+                 states_dir: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
+        self.llm = llm if llm is not None else LlamaModel(None, settings)
+        self.template = TEMPLATES[template] if isinstance(template, str) else template
+        self.builder = PromptBuilder(self.llm.tokenizer, self.template)
+        root = states_dir if states_dir is not None else default_states_dir(self.llm, self.template)
+        self.caches = StateStore(root, self.llm, self.builder)
+
+    def experts(self, candidates: Sequence[Candidate]) -> list[Expert]:
+        digests = self.caches.add([c.document.render() for c in candidates])
+        return [Expert(doc_id=c.document.id, relevance=c.relevance, load=lambda d=digest: self.caches.load(d))
+                for c, digest in zip(candidates, digests)]
+
+    def stream(self, candidates: Sequence[Candidate], question: str, rule: RuleConfig | None = None,
+               sampling: SamplingConfig = SamplingConfig(), follow=None) -> LlamaPCEDGeneration:
+        # room for joining documents: the window's worth per join, at most (a join is refused past it)
+        join_room = follow.max_joins * (self.llm.max_context or 2048) // 4 if follow is not None else 0
+        return LlamaPCEDGeneration(self.llm, self.caches.prefix(), self.experts(candidates),
+                                   self.builder.suffix_ids(question, with_context=True),
+                                   self.builder.suffix_ids(question, with_context=False), rule, sampling, follow,
+                                   join_room)
+
+    def load(self, candidate: Candidate) -> SeqState:
+        """One candidate's document state (encoded and stored first if it is new)."""
+        return self.caches.load(self.caches.add([candidate.document.render()])[0])
+
+    def answer(self, *args, **kwargs) -> Answer:
         return self.stream(*args, **kwargs).answer()

@@ -62,7 +62,7 @@ class Asked:
 def ask_candidates(generator, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
                    retrieval_s: float = 0.0, retrieve: Callable[[str], list[Candidate]] | None = None) -> Asked:
     """Answer over given candidates with ``generator`` (a ``pced.generator.Generator``, or with
-    ``--backend llamacpp`` a ``pced.backends.llamacpp.generator.LlamaGenerator``). Decode-time
+    ``--backend llamacpp`` a ``pced.generator.LlamaGenerator``). Decode-time
     relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
     (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)

@@ -36,7 +36,7 @@ TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
 
 def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, llama: LlamaSettings = LlamaSettings(),
                        backends: tuple[str, ...] = ("transformers", "llamacpp", "vllm")) -> dict:
-    from ..backends.llamacpp.generator import LlamaGenerator
+    from ..generator import LlamaGenerator
     from ..backends.llamacpp.model import LlamaModel
 
     root = Path(cfg.out)

@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..store import IndexSettings
 
     if options.backend == "llamacpp":  # the GGUF on llama.cpp, its states in --kv-dir (default: under the cache)
-        from ..backends.llamacpp.generator import LlamaGenerator
+        from ..generator import LlamaGenerator
         from ..backends.llamacpp.model import LlamaModel
 
         generator = LlamaGenerator(LlamaModel(args.model, options.llamacpp), args.template, args.kv_dir, options.llamacpp)

@@ -142,7 +142,7 @@ class DocumentStore:
         """The store's model on llama.cpp (its GGUF: the embedded model as it ships, or the
         ``--model file.gguf`` it was indexed with; ``model`` another GGUF with the same tokenizer),
         with the sequence states under ``llamacpp-<cache type>/``."""
-        from ..backends.llamacpp.generator import LlamaGenerator
+        from ..generator import LlamaGenerator
         from ..backends.llamacpp.model import LlamaModel
         from ..backends.llamacpp.states import states_dir
         from ..options import LlamaSettings

@@ -57,7 +57,7 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
 
 def _llama_generator(root: Path, settings: IndexSettings, llm, llamacpp):
     """The GGUF on llama.cpp and its sequence-state writer (``STORE/llamacpp-<cache type>/``)."""
-    from ..backends.llamacpp.generator import LlamaGenerator
+    from ..generator import LlamaGenerator
     from ..backends.llamacpp.model import LlamaModel
     from ..backends.llamacpp.states import states_dir
 

@@ -82,7 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.model is not None:
             raise InputError("--model and --random-model are alternatives: give one")
         if args.backend != "transformers":
-            raise InputError(f"--random-model is built in memory; {args.backend} loads a model file: use --model")
+            raise InputError(f"--random-model is built in memory; {args.backend} loads a model file: use --model with --backend {args.backend}")
         try:
             llm = random_model(args.random_model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                seed=config.seed)

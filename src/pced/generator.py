@@ -85,12 +85,14 @@ class LlamaGenerator:
     """One GGUF model + one template + one state store; answers questions over given candidates."""
 
     def __init__(self, llm: LlamaModel | None = None, template: Template | str = "rag",
-                 states_dir: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
+                 states_dir: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings(),
+                 budget_bytes: int | None = None, on_demand: bool = False):
+        """``budget_bytes``/``on_demand``: see ``pced.backends.llamacpp.states.StateStore``."""
         self.llm = llm if llm is not None else LlamaModel(None, settings)
         self.template = TEMPLATES[template] if isinstance(template, str) else template
         self.builder = PromptBuilder(self.llm.tokenizer, self.template)
         root = states_dir if states_dir is not None else default_states_dir(self.llm, self.template)
-        self.caches = StateStore(root, self.llm, self.builder)
+        self.caches = StateStore(root, self.llm, self.builder, budget_bytes=budget_bytes, on_demand=on_demand)
 
     def experts(self, candidates: Sequence[Candidate]) -> list[Expert]:
         digests = self.caches.add([c.document.render() for c in candidates])

@@ -77,14 +77,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from ..generator import LlamaGenerator
         from ..backends.llamacpp.model import LlamaModel
 
-        generator = LlamaGenerator(LlamaModel(args.model, options.llamacpp), args.template, args.kv_dir, options.llamacpp)
+        llm = LlamaModel(args.model, options.llamacpp)
     else:
         llm = load_model(args.model, device=args.device, dtype=args.dtype)
-        limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
-        for c in candidates:
-            n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
-            if n > limit:
-                raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
+    limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
+    for c in candidates:
+        n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
+        if n > limit:
+            raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
+    if options.backend == "llamacpp":
+        generator = LlamaGenerator(llm, args.template, given.cache_dir, options.llamacpp,
+                                   budget_bytes=gb_to_bytes(given.cache_gb))
+    else:
         generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
                               budget_bytes=gb_to_bytes(given.cache_gb))
     asked = ask_candidates(generator, candidates, args.question, options)

@@ -21,6 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..answers import Answer
 from ..decoding import Deadline, TimeLimitError
@@ -82,6 +83,7 @@ class Worker:
         self.store, self.limits, self.backend, self.vllm, self.llamacpp = store, limits, backend, vllm, llamacpp
         self.request_cache_dir = request_cache_dir
         self._requests = None
+        self._llama_requests = None
         self.reloads = 0
         self.reload_error: str | None = None
         self._lanes = {"transformers": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pced-generate"), 1)}
@@ -127,6 +129,27 @@ class Worker:
                                        budget_bytes=gb_to_bytes(self.limits.request_cache_gb))
         return self._requests
 
+    @property
+    def llama_requests(self):
+        """The LlamaGenerator for request documents on --backend llamacpp: the store's GGUF and
+        template, sequence states in a request cache of their own (``llamacpp-<cache type>/`` under
+        the request cache directory, or beside the transformers request caches under the cache
+        root), within the same budget."""
+        if self._llama_requests is None:
+            from ..generator import LlamaGenerator, default_states_dir
+            from ..kv.budget import gb_to_bytes
+
+            generator = self.store.llamacpp_generator(self.llamacpp)
+            root = (Path(self.request_cache_dir) / f"llamacpp-{self.llamacpp.cache_type}" if self.request_cache_dir
+                    else default_states_dir(generator.llm, generator.template))
+            self._llama_requests = LlamaGenerator(generator.llm, generator.template, root, self.llamacpp,
+                                                  budget_bytes=gb_to_bytes(self.limits.request_cache_gb))
+        return self._llama_requests
+
+    def requests_for(self, options):
+        """The generator for request documents of ``options.backend``."""
+        return self.llama_requests if options.backend == "llamacpp" else self.requests
+
     def refresh(self) -> None:
         """Open the store's newest generation if ``pced index`` published one (under ``_prepare``).
         If it cannot be opened, keep serving the one we have and say so in /health."""
@@ -149,7 +172,9 @@ class Worker:
                 "newer_generation_unread": self.reload_error}
 
     def request_cache_health(self) -> dict | None:
-        return None if self._requests is None else self._requests.caches.stats()
+        """The request cache of the answering backend (llama.cpp's states on --backend llamacpp)."""
+        requests = self._llama_requests if self.backend == "llamacpp" else self._requests
+        return None if requests is None else requests.caches.stats()
 
     @property
     def generator(self):
@@ -240,10 +265,7 @@ class Worker:
                     asked = ask(self.store, job.question, job.options)
                 else:
                     self._check_lengths(job.candidates)
-                    if job.options.backend == "llamacpp":  # its states would go into the store: not yet
-                        raise RequestError("documents sent with a request are not supported on the llamacpp backend yet",
-                                           "documents", "unsupported_value")
-                    asked = ask_candidates(self.requests, job.candidates, job.question, job.options)
+                    asked = ask_candidates(self.requests_for(job.options), job.candidates, job.question, job.options)
             generation = asked.generation
             generation.deadline = deadline
             steps = iter(generation)

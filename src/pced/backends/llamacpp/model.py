@@ -112,6 +112,12 @@ class LlamaModel:
     """A GGUF model loaded by llama.cpp, with the tokenizer and identity pced records."""
 
     backend = "llamacpp"
+    # ggml-cpu's repacked weight layouts (use_extra_bufts): off. Its repacked Q4_K kernels compute a step's
+    # rows in groups of 4 and the rest by another kernel (vendor/llama.cpp ggml/src/ggml-cpu/repack.cpp:4637),
+    # so a row's logits depended on how many rows shared its step (Gemma 3's Q4_K_M: up to 0.9 apart;
+    # experiments/llamacpp_state_sizes.py); the plain layout computes every row alike. A class
+    # attribute, not an option: the exact contracts (restore, greedy, joins) need it off.
+    repack_weights = False
 
     def __init__(self, model: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
         from ...options import EMBEDDED_NAME, is_embedded
@@ -126,10 +132,7 @@ class LlamaModel:
         _start_backend(self.lib)
         params = self.lib.llama_model_default_params()
         params.n_gpu_layers = 0 if not torch.cuda.is_available() else -1
-        # no repacked weight layouts: ggml-cpu's repacked Q4_K kernels compute a step's rows in groups of
-        # 4 and the rest by another kernel, so a row's logits would depend on how many rows share its step
-        # (measured on Gemma 3's Q4_K_M: up to 0.9 apart); the plain layout computes every row alike
-        params.use_extra_bufts = False
+        params.use_extra_bufts = self.repack_weights
         self.handle = self.lib.llama_model_load_from_file(self.path.encode(), params)
         if not self.handle:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")

@@ -2,8 +2,8 @@
 
 ``LlamaModel`` is what the rest of pced calls a model: ``tokenizer`` (a transformers tokenizer
 read from the GGUF's own vocabulary and chat template, so that prompts are the same token ids
-on every backend), ``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and
-``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
+on every backend; a GGUF without a template, a base model, gets a plain-text one),
+``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and ``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
 computes on them directly.
 
 ``LlamaContext`` is one llama.cpp context with a unified KV cache: sequences are rows (sequence 0

@@ -35,7 +35,9 @@ TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
 
 
 def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, llama: LlamaSettings = LlamaSettings(),
-                       backends: tuple[str, ...] = ("transformers", "llamacpp", "vllm")) -> dict:
+                       backends: tuple[str, ...] = ("transformers", "llamacpp", "vllm"), gguf=None) -> dict:
+    """``gguf``: the ``LlamaModel`` to time on llama.cpp (default: the embedded model's GGUF, as it
+    ships); a GGUF of another family is timed alone (``backends=("llamacpp",)``, ``llm`` that model)."""
     from ..generator import LlamaGenerator
     from ..backends.llamacpp.model import LlamaModel
 
@@ -57,8 +59,8 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, llama: LlamaSettings 
             print(f"pced: bench: skipping vllm ({exc})")
     if "transformers" in backends:
         generators["transformers"] = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
-    gguf = LlamaModel(None, llama)  # the embedded model's GGUF, as it ships
-    generators["llamacpp"] = LlamaGenerator(gguf, "rag", root / f"llamacpp-L{doc_tokens}-{llama.cache_type}", llama)
+    gguf = gguf if gguf is not None else LlamaModel(None, llama)  # the embedded model's GGUF, as it ships
+    generators["llamacpp"] = LlamaGenerator(gguf, "rag", root / f"llamacpp-{gguf.name}-L{doc_tokens}-{llama.cache_type}", llama)
     store_bytes = {}
     for name, generator in generators.items():
         digests = generator.caches.add(texts, progress=False)

@@ -42,7 +42,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-resident", action="store_true", help="skip the runs with caches resident on the device")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
     p.add_argument("--out", default=DEFAULTS.out)
-    p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded)")
+    p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded); --backend llamacpp: "
+                   "a GGUF file, timed on llama.cpp alone (with --beside '')")
     p.add_argument("--random-model", default=None, metavar="SHAPE",
                    help="time a random-weight model of this architecture instead: llama-3.1-8b, llama-3.2-1b, "
                         "smollm2-135m, tiny, or a JSON file of LlamaConfig fields (built on the device in seconds; "
@@ -89,19 +90,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except UserError as exc:
             raise InputError(str(exc)) from None
         config = replace(config, memory=False)  # the memory runs load the embedded model in a fresh process
+    elif args.backend == "llamacpp" and args.model is not None:
+        llm = None  # a GGUF of its own: timed on llama.cpp alone (below)
     else:
         llm = load_model(args.model, device="cpu" if args.model is None else None,
                          dtype="float32" if args.model is None else "auto")
     if args.backend == "llamacpp":
-        if args.model is not None:
-            raise InputError("pced bench --backend llamacpp times the embedded model (its GGUF on llama.cpp, its "
-                             "dequantized copy on the others); --model is not supported with it")
         from ..bench.backends import run_backends_bench
         from .common import llamacpp_settings_from
 
         beside = tuple(b.strip() for b in args.beside.split(",") if b.strip())
         if not set(beside) <= {"transformers", "vllm"}:
             raise InputError("--beside must be a subset of transformers,vllm")
+        if llm is None:
+            if beside:
+                raise InputError("pced bench --backend llamacpp --model file.gguf times that GGUF on llama.cpp alone "
+                                 "(the other backends time the embedded model): add --beside ''")
+            from ..backends.llamacpp.model import LlamaModel
+
+            gguf = LlamaModel(args.model, llamacpp_settings_from(args))
+            run_backends_bench(gguf, config, gguf.settings, ("llamacpp",), gguf)
+            print(open(f"{args.out}/bench_backends.md").read())
+            print(f"pced: wrote {args.out}/bench_backends.json and bench_backends.md")
+            return 0
         if "vllm" in beside:  # the engine starts before anything imports the retrieval libraries (vLLM 0.32 scans them)
             try:
                 from ..backends.vllm.engine import shared_engine

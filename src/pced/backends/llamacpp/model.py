@@ -2,8 +2,8 @@
 
 ``LlamaModel`` is what the rest of pced calls a model: ``tokenizer`` (a transformers tokenizer
 read from the GGUF's own vocabulary and chat template, so that prompts are the same token ids
-on every backend), ``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and
-``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
+on every backend; a GGUF without a template, a base model, gets a plain-text one),
+``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and ``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
 computes on them directly.
 
 ``LlamaContext`` is one llama.cpp context with a unified KV cache: sequences are rows (sequence 0
@@ -79,6 +79,18 @@ def _start_backend(lib) -> None:
         _BACKEND_STARTED = True
 
 
+# A GGUF without a chat template is a base (pretrained) model: pced prompts it as plain text, the
+# documents then the question then "Answer:", so that the answer is the text's continuation.
+PLAIN_TEMPLATE = ("{bos}{{% for message in messages %}}{{{{ message['content'] }}}}\n\n{{% endfor %}}"
+                  "{{% if add_generation_prompt %}}Answer:{{% endif %}}")
+
+
+def plain_template(add_bos: bool) -> str:
+    """The plain-text chat template of a base model; it starts with BOS where the GGUF asks for it
+    (``tokenizer.ggml.add_bos_token``), as llama.cpp's own tokenization would."""
+    return PLAIN_TEMPLATE.format(bos="{{ bos_token }}" if add_bos else "")
+
+
 def gguf_tokenizer(path: Path, fingerprint: str):
     """The GGUF's tokenizer as a transformers tokenizer. transformers converts a GGUF vocabulary in
     tens of seconds, so the first load saves it (tokenizer files only, no weights) under the cache."""
@@ -100,6 +112,12 @@ class LlamaModel:
     """A GGUF model loaded by llama.cpp, with the tokenizer and identity pced records."""
 
     backend = "llamacpp"
+    # ggml-cpu's repacked weight layouts (use_extra_bufts): off. Its repacked Q4_K kernels compute a step's
+    # rows in groups of 4 and the rest by another kernel (vendor/llama.cpp ggml/src/ggml-cpu/repack.cpp:4637),
+    # so a row's logits depended on how many rows shared its step (Gemma 3's Q4_K_M: up to 0.9 apart;
+    # experiments/llamacpp_state_sizes.py); the plain layout computes every row alike. A class
+    # attribute, not an option: the exact contracts (restore, greedy, joins) need it off.
+    repack_weights = False
 
     def __init__(self, model: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
         from ...options import EMBEDDED_NAME, is_embedded
@@ -111,14 +129,19 @@ class LlamaModel:
         self.name = EMBEDDED_NAME if is_embedded(model if model is None else str(model)) else self.gguf.stem
         self.fingerprint = files_fingerprint(self.gguf.parent, [self.gguf], b"gguf")[:16]
         self.tokenizer = gguf_tokenizer(self.gguf, self.fingerprint)
-        self.tokenizer_hash = tokenizer_hash(self.tokenizer)
         _start_backend(self.lib)
         params = self.lib.llama_model_default_params()
         params.n_gpu_layers = 0 if not torch.cuda.is_available() else -1
+        params.use_extra_bufts = self.repack_weights
         self.handle = self.lib.llama_model_load_from_file(self.path.encode(), params)
         if not self.handle:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
         self.vocab = self.lib.llama_model_get_vocab(self.handle)
+        self.plain_prompt = not getattr(self.tokenizer, "chat_template", None)
+        if self.plain_prompt:  # a base model: no chat template in its GGUF
+            self.tokenizer.chat_template = plain_template(bool(self.lib.llama_vocab_get_add_bos(self.vocab)))
+        self.tokenizer_hash = tokenizer_hash(self.tokenizer)
+        self.n_swa = int(self.lib.llama_model_n_swa(self.handle))  # sliding-window attention span (0: none)
         self.n_vocab = int(self.lib.llama_vocab_n_tokens(self.vocab))
         self.max_context = int(self.lib.llama_model_n_ctx_train(self.handle))
         self.version = getattr(self.lib, "__version__", "") or _package_version()

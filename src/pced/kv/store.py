@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -35,7 +33,7 @@ from ..fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
 from ..llm import LoadedModel
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 from ..prompts import PromptBuilder
-from .budget import ByteBudget
+from .budget import CacheUse
 from .encode import encode_documents, encode_prefix
 from .format import FORMAT_VERSION, CacheError, check_cache_file, content_hash, tensor_checksum
 from .segment import DocKV
@@ -68,10 +66,8 @@ class KVStore:
         self._check_or_create_manifest(recorded_model_path)
         self._prefix: DocKV | None = None
         self.last_encoded = 0
-        self.on_demand = on_demand or budget_bytes is not None
-        self.budget = ByteBudget(self.root, self.root / "kv", budget_bytes)
-        self._texts: OrderedDict[str, str] = OrderedDict()  # recent digest -> context text, to re-encode a lost cache
-        self._lock = threading.Lock()
+        self.use = CacheUse(self.root, self.root / "kv", budget_bytes, on_demand)
+        self.on_demand, self.budget = self.use.on_demand, self.use.budget
         self.verify = verify  # check a cache's checksum on load: "once" per file per process, True every time
         # the device tier (pced.kv.tiers): None on a CPU model without --gpu-cache-gb (mapped caches go
         # straight into the batch buffer)
@@ -148,20 +144,9 @@ class KVStore:
         evicting these documents' caches)."""
         texts = self.context_texts(documents)
         digests = [content_hash(text) for text in texts]
-        with self._lock:
-            for digest, text in zip(digests, texts):
-                self._texts[digest] = text
-                self._texts.move_to_end(digest)
-            while len(self._texts) > 4 * 64:
-                self._texts.popitem(last=False)
-        todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
-        self.last_encoded = len(todo)  # how many this call had to encode (the rest were stored)
-        if self.on_demand:
-            self.budget.touch(self.path_for(d) for d in set(digests) - set(todo))
-        self._encode(todo, batch_size, progress)
-        if self.on_demand:
-            unique = set(digests)
-            self.budget.record(hits=len(unique) - len(todo), misses=len(todo), protect=unique)
+        # how many this call had to encode (the rest were stored)
+        self.last_encoded = self.use.add(digests, texts, self.has, self.path_for,
+                                         lambda todo: self._encode(todo, batch_size, progress))
         return digests
 
     def _encode(self, todo: dict[str, str], batch_size: int = 4, progress: bool = False) -> None:
@@ -180,7 +165,7 @@ class KVStore:
     def stats(self) -> dict:
         """The caches' budget (bytes or None), bytes and files held, and the counters of on-demand
         use persisted across processes: hits, misses (encoded when asked for), evictions."""
-        return {"on_demand": self.on_demand, **self.budget.stats()}
+        return self.use.stats()
 
     def remove_stale_temporaries(self) -> None:
         """Temporary files of a run that was killed mid-write. Only the single indexing writer may
@@ -201,15 +186,8 @@ class KVStore:
         """A document's cache: memory-mapped from disk (read-only views of the file), or, with a device
         tier, dense on the model's device (from the pool when it holds it)."""
         path = self.path_for(digest)
-        if not path.is_file():
-            with self._lock:
-                text = self._texts.get(digest)
-            if text is None:
-                raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
-            # evicted by another process, or swept by an index run, since add() saw it: encode it again
-            self._encode({digest: text})
-            if self.on_demand:
-                self.budget.record(misses=1, protect={digest})
+        if not path.is_file() and not self.use.encode_again(digest, self._encode):
+            raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
         if self.pool is not None:
             return self.pool.get(digest, lambda: self._read(path, digest, None))
         return self._read(path, digest, None)

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -35,7 +33,7 @@ import numpy as np
 import torch
 
 from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
-from ...kv.budget import ByteBudget
+from ...kv.budget import CacheUse
 from ...kv.format import CacheError, content_hash, mmap_safetensors, tensor_checksum
 from ...prompts import PromptBuilder
 from .model import LlamaContext, LlamaModel
@@ -70,10 +68,8 @@ class StateStore:
         self._check_or_create_manifest()
         self._prefix: SeqState | None = None
         self.last_encoded = 0
-        self.on_demand = on_demand or budget_bytes is not None
-        self.budget = ByteBudget(self.root, self.root / "seq", budget_bytes)
-        self._texts: OrderedDict[str, str] = OrderedDict()  # recent documents' texts: a state evicted before load
-        self._texts_lock = threading.Lock()
+        self.use = CacheUse(self.root, self.root / "seq", budget_bytes, on_demand)
+        self.on_demand, self.budget = self.use.on_demand, self.use.budget
 
     def _check_or_create_manifest(self) -> None:
         manifest = self.root / MANIFEST
@@ -114,15 +110,8 @@ class StateStore:
 
     def load(self, digest: str) -> SeqState:
         path = self.path_for(digest)
-        if not path.is_file():
-            with self._texts_lock:
-                text = self._texts.get(digest)
-            if text is None:
-                raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
-            # evicted by another process, or swept by an index run, since add() saw it: encode it again
-            self._encode({digest: text})
-            if self.on_demand:
-                self.budget.record(misses=1, protect={digest})
+        if not path.is_file() and not self.use.encode_again(digest, self._encode):
+            raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
         return self._read(path, digest, None)
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> SeqState:
@@ -156,20 +145,8 @@ class StateStore:
         directory within its budget (never evicting these documents' states)."""
         texts = [self.builder.context_text([doc]) for doc in documents]
         digests = [content_hash(text) for text in texts]
-        with self._texts_lock:
-            for digest, text in zip(digests, texts):
-                self._texts[digest] = text
-                self._texts.move_to_end(digest)
-            while len(self._texts) > 4 * 64:
-                self._texts.popitem(last=False)
-        todo = {digest: text for digest, text in zip(digests, texts) if not self.has(digest)}
-        self.last_encoded = len(todo)
-        if self.on_demand:
-            self.budget.touch(self.path_for(d) for d in set(digests) - set(todo))
-        self._encode(todo, batch_size, progress)
-        if self.on_demand:
-            unique = set(digests)
-            self.budget.record(hits=len(unique) - len(todo), misses=len(todo), protect=unique)
+        self.last_encoded = self.use.add(digests, texts, self.has, self.path_for,
+                                         lambda todo: self._encode(todo, batch_size, progress))
         return digests
 
     def _encode(self, todo: dict[str, str], batch_size: int = 4, progress: bool = False) -> None:
@@ -190,7 +167,7 @@ class StateStore:
     def stats(self) -> dict:
         """The states' budget (bytes or None), bytes and files held, and the on-demand counters
         (hits, misses, evictions) persisted across processes."""
-        return {"on_demand": self.on_demand, **self.budget.stats()}
+        return self.use.stats()
 
     def remove_unreferenced(self, keep: Sequence[str]) -> int:
         keep_set, removed = set(keep), 0

@@ -65,7 +65,7 @@ def full_store(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_budgeted_llamacpp_store_answers_as_an_unbounded_one(tmp_path, full_store):
+def test_a_budgeted_llamacpp_store_answers_as_an_unbounded_one(tmp_path, full_store, capsys):
     expected = answers(full_store)
     assert full_store.llamacpp_generator(LLAMA).caches.stats()["misses"] == 0
 
@@ -78,6 +78,9 @@ def test_a_budgeted_llamacpp_store_answers_as_an_unbounded_one(tmp_path, full_st
     stats = bounded.llamacpp_generator(LLAMA).caches.stats()
     assert stats["evictions"] > 0 and stats["misses"] > 3 and stats["hits"] > 0
     assert stats["bytes"] <= stats["budget_bytes"] == int(budget_gb * GB)
+    assert main(["store", "stats", str(tmp_path / "bounded"), "--json"]) == 0  # without loading a model
+    listed = json.loads(capsys.readouterr().out)["llamacpp-f16_budget"]
+    assert {k: listed[k] for k in ("hits", "misses", "evictions")} == {k: stats[k] for k in ("hits", "misses", "evictions")}
 
 
 @pytest.mark.slow

@@ -112,9 +112,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"caches encoded: {stats['caches_encoded']}")
     print(f"bytes: text {human_bytes(b['text'])}, retrieval {human_bytes(b['retrieval'])}, caches {human_bytes(b['caches'])}, "
           f"total {human_bytes(b['total'])}")
-    if "kv_budget" in stats:
-        kv = stats["kv_budget"]
-        print("kv budget: " + ", ".join(f"{k} {v}" for k, v in kv.items()))
+    for key, budget in stats.items():
+        if key.endswith("_budget"):  # kv/, and llama.cpp's states beside it
+            print(f"{key.removesuffix('_budget').replace('_', ' ')} budget: " + ", ".join(f"{k} {v}" for k, v in budget.items()))
     return 0
 
 

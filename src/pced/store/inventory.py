@@ -124,27 +124,31 @@ class Inventory:
         rows = self.rows()
         state = state_dir(self.root, self.manifest)  # the generation the manifest names
         parts = {"text": tree_bytes(state / DOCUMENTS) + tree_bytes(self.root / MANIFEST),
-                 "retrieval": tree_bytes(state / RETRIEVERS_DIR), "caches": tree_bytes(self.root / KV_DIR)}
+                 "retrieval": tree_bytes(state / RETRIEVERS_DIR),
+                 "caches": tree_bytes(self.root / KV_DIR) + sum(tree_bytes(d) for d in self.root.glob("llamacpp-*"))}
         stats = {"documents": len(rows), "stored_chunks": len(self.documents), "tokens": sum(r["tokens"] for r in rows),
                  "caches_encoded": sum(r["encoded"] for r in rows), "bytes": {**parts, "total": sum(parts.values())}}
         budget = kv_budget_stats(self.root, self.manifest)
         if budget is not None:
             stats["kv_budget"] = budget
+            for states in sorted(self.root.glob("llamacpp-*")):  # llama.cpp's states, each directory its own budget
+                stats[f"{states.name}_budget"] = kv_budget_stats(self.root, self.manifest, states)
         return stats
 
 
-def kv_budget_stats(root: Path, manifest: dict) -> dict | None:
+def kv_budget_stats(root: Path, manifest: dict, directory: Path | None = None) -> dict | None:
     """Hook for the store's KV budget: its size and its hit / miss / eviction counters, or None for a
     store without a budget. Read defensively from the manifest (``kv_budget_gb``, under ``settings``
     or top level) and a JSON counters file in the kv directory, whatever its exact name, so that a
-    store written by another version never breaks ``pced store stats``."""
+    store written by another version never breaks ``pced store stats``. ``directory``: another cache
+    directory of the store (llama.cpp's ``llamacpp-<cache type>/``) instead of ``kv/``."""
     settings = manifest.get("settings", {}) if isinstance(manifest.get("settings"), dict) else {}
     budget = manifest.get("kv_budget_gb", settings.get("kv_budget_gb"))
     if budget is None:
         return None
     out: dict = {"budget_gb": budget}
     for name in ("budget.json", "kv_budget.json", "usage.json", "stats.json"):
-        path = root / KV_DIR / name
+        path = (directory or root / KV_DIR) / name
         try:
             counters = json.loads(path.read_text())
         except (OSError, ValueError):

@@ -137,8 +137,12 @@ def test_generate_on_llamacpp_keeps_its_states_in_the_bounded_request_cache(tmp_
         assert main(args) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0]["answer"] == outputs[1]["answer"]
-    counters = json.loads((kv / "budget.json").read_text())
+    counters = json.loads((kv / "llamacpp-f16" / "budget.json").read_text())  # the server's layout for --kv-dir
     assert (counters["misses"], counters["hits"]) == (3, 3)  # the second run read the states the first stored
+    assert main(args + ["--cache-type", "q8_0"]) == 0  # another cache type in the same --kv-dir: a folder of its own
+    capsys.readouterr()
+    assert len(list((kv / "llamacpp-q8_0" / "seq").glob("*/*.safetensors"))) == 3
+    assert len(list((kv / "llamacpp-f16" / "seq").glob("*/*.safetensors"))) == 3
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "long", "text": "word " * 3000, "score": 0.5}) + "\n")
     assert main(["generate", "--docs", str(long), "--question", "What?", "--backend", "llamacpp", "--kv-dir",

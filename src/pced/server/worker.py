@@ -21,7 +21,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ..answers import Answer
 from ..decoding import Deadline, TimeLimitError
@@ -136,12 +135,11 @@ class Worker:
         the request cache directory, or beside the transformers request caches under the cache
         root), within the same budget."""
         if self._llama_requests is None:
-            from ..generator import LlamaGenerator, default_states_dir
+            from ..generator import LlamaGenerator, request_states_dir
             from ..kv.budget import gb_to_bytes
 
             generator = self.store.llamacpp_generator(self.llamacpp)
-            root = (Path(self.request_cache_dir) / f"llamacpp-{self.llamacpp.cache_type}" if self.request_cache_dir
-                    else default_states_dir(generator.llm, generator.template))
+            root = request_states_dir(self.request_cache_dir, generator.llm, generator.template)
             self._llama_requests = LlamaGenerator(generator.llm, generator.template, root, self.llamacpp,
                                                   budget_bytes=gb_to_bytes(self.limits.request_cache_gb))
         return self._llama_requests

@@ -170,9 +170,16 @@ class Worker:
                 "newer_generation_unread": self.reload_error}
 
     def request_cache_health(self) -> dict | None:
-        """The request cache of the answering backend (llama.cpp's states on --backend llamacpp)."""
-        requests = self._llama_requests if self.backend == "llamacpp" else self._requests
-        return None if requests is None else requests.caches.stats()
+        """The request cache of the answering backend (llama.cpp's states on --backend llamacpp; there
+        the transformers one too, under "transformers", once a baseline method has used it)."""
+        if self.backend != "llamacpp":
+            return None if self._requests is None else self._requests.caches.stats()
+        if self._llama_requests is None and self._requests is None:
+            return None
+        health = self._llama_requests.caches.stats() if self._llama_requests is not None else {}
+        if self._requests is not None:
+            health["transformers"] = self._requests.caches.stats()
+        return health
 
     @property
     def generator(self):

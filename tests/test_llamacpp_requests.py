@@ -130,8 +130,9 @@ def test_a_baseline_with_documents_on_a_llamacpp_server_uses_the_transformers_re
     app = create_app(DocumentStore.open(full_store.root), backend="llamacpp", llamacpp=LLAMA,
                      request_cache_dir=str(tmp_path / "requests"))
     with TestClient(app) as client:
-        response = client.post("/v1/pced/answer", json={"question": "When does the harbour bell 1 ring?", "method": "ape",
-                                                        "documents": request_documents(0, 2), "max_tokens": 4})
+        response = client.post("/v1/pced/answer", json={"question": "When does the harbour bell 1 ring?",
+                                                        "method": "ape", "documents": request_documents(0, 2),
+                                                        "max_tokens": 4})
         assert response.status_code == 200, response.text
         cache = client.get("/health").json()["request_cache"]
     assert tree_digest(full_store.root) == before

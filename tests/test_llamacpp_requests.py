@@ -125,6 +125,22 @@ def test_request_documents_on_llamacpp_leave_the_store_byte_identical_within_the
 
 
 @pytest.mark.slow
+def test_a_baseline_with_documents_on_a_llamacpp_server_uses_the_transformers_request_cache(tmp_path, full_store):
+    before = tree_digest(full_store.root)
+    app = create_app(DocumentStore.open(full_store.root), backend="llamacpp", llamacpp=LLAMA,
+                     request_cache_dir=str(tmp_path / "requests"))
+    with TestClient(app) as client:
+        response = client.post("/v1/pced/answer", json={"question": "When does the harbour bell 1 ring?",
+                                                        "method": "ape", "documents": request_documents(0, 2),
+                                                        "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        cache = client.get("/health").json()["request_cache"]
+    assert tree_digest(full_store.root) == before
+    assert cache["transformers"]["misses"] == 2 and cache["transformers"]["bytes"] > 0
+    assert list((tmp_path / "requests" / "kv").glob("*/*.safetensors"))
+
+
+@pytest.mark.slow
 def test_generate_on_llamacpp_keeps_its_states_in_the_bounded_request_cache(tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps(d) + "\n" for d in request_documents(0, 3)))
@@ -137,8 +153,12 @@ def test_generate_on_llamacpp_keeps_its_states_in_the_bounded_request_cache(tmp_
         assert main(args) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0]["answer"] == outputs[1]["answer"]
-    counters = json.loads((kv / "budget.json").read_text())
+    counters = json.loads((kv / "llamacpp-f16" / "budget.json").read_text())  # the server's layout for --kv-dir
     assert (counters["misses"], counters["hits"]) == (3, 3)  # the second run read the states the first stored
+    assert main(args + ["--cache-type", "q8_0"]) == 0  # another cache type in the same --kv-dir: a folder of its own
+    capsys.readouterr()
+    assert len(list((kv / "llamacpp-q8_0" / "seq").glob("*/*.safetensors"))) == 3
+    assert len(list((kv / "llamacpp-f16" / "seq").glob("*/*.safetensors"))) == 3
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "long", "text": "word " * 3000, "score": 0.5}) + "\n")
     assert main(["generate", "--docs", str(long), "--question", "What?", "--backend", "llamacpp", "--kv-dir",

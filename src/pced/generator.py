@@ -81,6 +81,18 @@ def default_states_dir(llm: LlamaModel, template: Template) -> Path:
     return cache_root() / "kv" / f"{llm.name}-{llm.fingerprint[:8]}-{template.name}-llamacpp-{llm.settings.cache_type}"
 
 
+def request_states_dir(cache_dir: str | os.PathLike | None, llm: LlamaModel, template: Template) -> Path:
+    """Where documents sent with a question keep their llama.cpp states: ``llamacpp-<cache type>/``
+    under a request cache directory (beside its transformers ``kv/``, as in a store), or, without
+    one, a folder per GGUF, template and cache type under the cache root. One layout for the server
+    and ``pced generate``, so both share one request cache and each cache type has its own."""
+    if cache_dir is None:
+        return default_states_dir(llm, template)
+    from .backends.llamacpp.states import states_dir
+
+    return states_dir(Path(cache_dir), llm.settings.cache_type)
+
+
 class LlamaGenerator:
     """One GGUF model + one template + one state store; answers questions over given candidates."""
 

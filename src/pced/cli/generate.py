@@ -22,7 +22,8 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--template", choices=["rag", "icl"], default="rag")
     given = GivenDocuments()
     gen.add_argument("--kv-dir", default=given.cache_dir,
-                     help="the request cache: where document caches are kept (default: user cache, per model)")
+                     help="the request cache: where document caches are kept (llama.cpp's states in its "
+                          "llamacpp-<cache type>/; default: user cache, per model)")
     gen.add_argument("--request-cache-gb", type=float, default=given.cache_gb,
                      help=f"disk for those caches, least recently used evicted (default {given.cache_gb:g})")
     gen.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
@@ -86,8 +87,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if n > limit:
             raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
     if options.backend == "llamacpp":
-        generator = LlamaGenerator(llm, args.template, given.cache_dir, options.llamacpp,
-                                   budget_bytes=gb_to_bytes(given.cache_gb))
+        from ..generator import request_states_dir
+        from ..prompts import TEMPLATES
+
+        root = request_states_dir(given.cache_dir, llm, TEMPLATES[args.template])
+        generator = LlamaGenerator(llm, args.template, root, options.llamacpp, budget_bytes=gb_to_bytes(given.cache_gb))
     else:
         generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
                               budget_bytes=gb_to_bytes(given.cache_gb))

@@ -21,7 +21,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ..answers import Answer
 from ..decoding import Deadline, TimeLimitError
@@ -136,12 +135,11 @@ class Worker:
         the request cache directory, or beside the transformers request caches under the cache
         root), within the same budget."""
         if self._llama_requests is None:
-            from ..generator import LlamaGenerator, default_states_dir
+            from ..generator import LlamaGenerator, request_states_dir
             from ..kv.budget import gb_to_bytes
 
             generator = self.store.llamacpp_generator(self.llamacpp)
-            root = (Path(self.request_cache_dir) / f"llamacpp-{self.llamacpp.cache_type}" if self.request_cache_dir
-                    else default_states_dir(generator.llm, generator.template))
+            root = request_states_dir(self.request_cache_dir, generator.llm, generator.template)
             self._llama_requests = LlamaGenerator(generator.llm, generator.template, root, self.llamacpp,
                                                   budget_bytes=gb_to_bytes(self.limits.request_cache_gb))
         return self._llama_requests
@@ -172,9 +170,16 @@ class Worker:
                 "newer_generation_unread": self.reload_error}
 
     def request_cache_health(self) -> dict | None:
-        """The request cache of the answering backend (llama.cpp's states on --backend llamacpp)."""
-        requests = self._llama_requests if self.backend == "llamacpp" else self._requests
-        return None if requests is None else requests.caches.stats()
+        """The request cache of the answering backend (llama.cpp's states on --backend llamacpp; there
+        the transformers one too, under "transformers", once a baseline method has used it)."""
+        if self.backend != "llamacpp":
+            return None if self._requests is None else self._requests.caches.stats()
+        if self._llama_requests is None and self._requests is None:
+            return None
+        health = self._llama_requests.caches.stats() if self._llama_requests is not None else {}
+        if self._requests is not None:
+            health["transformers"] = self._requests.caches.stats()
+        return health
 
     @property
     def generator(self):

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from helpers.llama_reference import llama_cpp_greedy
+
 from pced.cli import main
 from pced.documents import Candidate, Document
 from pced.kv.format import CacheError
@@ -92,8 +94,8 @@ def test_restored_state_gives_the_logits_of_encoding_the_document_again(tmp_path
 
 
 @pytest.mark.slow
-def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model):
-    lib = _llama()
+def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model, monkeypatch):
+    _llama()
     from pced.generator import LlamaGenerator
 
     generator = LlamaGenerator(llama_model, "rag", tmp_path / "states")
@@ -102,14 +104,7 @@ def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model):
     answer = generator.answer([Candidate(Document("obs", DOC), 0.9)], QUESTION, rule, sampling)
     assert [s.doc_id for s in answer.trace] == ["obs"] * len(answer.trace)
     prompt = generator.builder.prompt_ids([Document("obs", DOC).render()], QUESTION)
-    settings = llama_model.settings  # the same compute steps (ubatch) and flash attention as the backend
-    reference = lib.Llama(model_path=llama_model.path, n_ctx=1024, n_threads=1, n_batch=settings.batch_tokens,
-                          n_ubatch=settings.ubatch_tokens, flash_attn=True, verbose=False)
-    expected = []
-    for token in reference.generate(prompt, top_k=1, temp=0.0):
-        if token in llama_model.eos_token_ids() or len(expected) == sampling.max_new_tokens:
-            break
-        expected.append(token)
+    expected = llama_cpp_greedy(llama_model, prompt, sampling.max_new_tokens, monkeypatch)
     assert len(expected) > 20 and answer.token_ids == expected
 
 

@@ -13,6 +13,8 @@ import json
 import pytest
 import torch
 
+from helpers.llama_reference import llama_cpp_greedy
+
 from pced.cli import main
 from pced.documents import Candidate, Document
 from pced.options import LlamaSettings
@@ -80,9 +82,6 @@ def test_gemma_restored_state_gives_the_logits_of_encoding_the_document_again(tm
 
 @pytest.mark.slow
 def test_gemma_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, gemma, monkeypatch):
-    import llama_cpp
-    import llama_cpp.llama as high_level
-
     from pced.generator import LlamaGenerator
 
     generator = LlamaGenerator(gemma, "rag", tmp_path / "states")
@@ -90,21 +89,7 @@ def test_gemma_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, gemma, 
     sampling = SamplingConfig(max_new_tokens=32)
     answer = generator.answer([Candidate(Document("obs", DOC), 0.9)], QUESTION, rule, sampling)
     prompt = generator.builder.prompt_ids([Document("obs", DOC).render()], QUESTION)
-    settings = gemma.settings
-
-    def plain_layout():  # the reference loads the weights as pced does: not repacked (see LlamaModel)
-        params = llama_cpp.llama_model_default_params()
-        params.use_extra_bufts = False
-        return params
-
-    monkeypatch.setattr(high_level.llama_cpp, "llama_model_default_params", plain_layout)
-    reference = llama_cpp.Llama(model_path=gemma.path, n_ctx=1024, n_threads=1, n_batch=settings.batch_tokens,
-                                n_ubatch=settings.ubatch_tokens, flash_attn=True, verbose=False)
-    expected = []
-    for token in reference.generate(prompt, top_k=1, temp=0.0):
-        if token in gemma.eos_token_ids() or len(expected) == sampling.max_new_tokens:
-            break
-        expected.append(token)
+    expected = llama_cpp_greedy(gemma, prompt, sampling.max_new_tokens, monkeypatch)
     assert len(expected) > 8 and answer.token_ids == expected
 
 

@@ -108,27 +108,24 @@ def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model, 
     assert len(expected) > 20 and answer.token_ids == expected
 
 
-@pytest.mark.slow
-def test_a_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_path, llama_model):
-    """Joining mid-answer catches the new row up on the suffix and the answer: its next logits are
-    those of the same expert present from the start (exact: compute steps under 64 tokens give a
-    row the same numbers whatever else is in the step or where its cells sit)."""
-    _llama()
+def _joined_and_from_start(model, root):
+    """The next logits of an expert that joined after the answer's first tokens, and of the same
+    expert present from the start (rows: amateur, OTHER, DOC)."""
     from pced.backends.llamacpp.rows import LlamaExpertRows
 
-    store = _store(llama_model, tmp_path / "states")
+    store = _store(model, root)
     a, b = (store.load(d) for d in store.add([OTHER, DOC]))
     builder = store.builder
     suffix, amateur = builder.suffix_ids(QUESTION), builder.suffix_ids(QUESTION, with_context=False)
     answer = builder.encode(" The code is")
 
-    both = LlamaExpertRows(llama_model, store.prefix(), [lambda: a, lambda: b], suffix, amateur, 16)
+    both = LlamaExpertRows(model, store.prefix(), [lambda: a, lambda: b], suffix, amateur, 16)
     both.prefill()
     for token in answer:
         expected = both.advance(token)
     both.close()
 
-    joined = LlamaExpertRows(llama_model, store.prefix(), [lambda: a], suffix, amateur, 16)
+    joined = LlamaExpertRows(model, store.prefix(), [lambda: a], suffix, amateur, 16)
     joined.reserve(256)
     joined.prefill()
     for token in answer[:-1]:
@@ -136,9 +133,19 @@ def test_a_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_path, l
     joined.join(b, answer)
     got = joined.advance(answer[-1])
     joined.close()
-    assert got.shape == expected.shape == (3, llama_model.n_vocab)
-    assert torch.equal(got, expected)
+    assert got.shape == expected.shape == (3, model.n_vocab)
     assert joined.stats["joined"] == 1
+    return got, expected
+
+
+@pytest.mark.slow
+def test_a_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_path, llama_model):
+    """Joining mid-answer catches the new row up on the suffix and the answer: its next logits are
+    those of the same expert present from the start (exact: compute steps under 64 tokens give a
+    row the same numbers whatever else is in the step or where its cells sit)."""
+    _llama()
+    got, expected = _joined_and_from_start(llama_model, tmp_path / "states")
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.slow

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from pced.documents import Candidate, Document
 from pced.options import LlamaSettings
 from pced.rule import RuleConfig
 from pced.sampling import SamplingConfig
-from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _restored_logits, _store
+from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _joined_and_from_start, _restored_logits, _store
 
 
 def _gemma_path() -> str:
@@ -91,6 +94,52 @@ def test_gemma_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, gemma, 
     prompt = generator.builder.prompt_ids([Document("obs", DOC).render()], QUESTION)
     expected = llama_cpp_greedy(gemma, prompt, sampling.max_new_tokens, monkeypatch)
     assert len(expected) > 8 and answer.token_ids == expected
+
+
+@pytest.mark.slow
+def test_gemma_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_path, gemma):
+    """Exact on a K-quant GGUF too: the joined row's catch-up step has more rows than the answer's
+    steps (8 or more against 3, where llama.cpp's tiled K-quant product would take over)."""
+    got, expected = _joined_and_from_start(gemma, tmp_path / "states")
+    assert torch.equal(got, expected)
+
+
+SPLIT_PROBE = """
+import json, sys, torch
+from pced.backends.llamacpp.model import LlamaModel
+from pced.options import LlamaSettings
+model = LlamaModel(sys.argv[1], LlamaSettings(threads=1))
+prompt = torch.randint(1000, model.n_vocab - 1000, (141,), generator=torch.Generator().manual_seed(0)).tolist()
+prompt[0] = int(model.lib.llama_vocab_bos(model.vocab))
+def logits(points):
+    with model.lock:
+        ctx, bounds = model.context(len(prompt) + 8, 1), [0, *points, len(prompt)]
+        for start, end in zip(bounds, bounds[1:]):
+            part = prompt[start:end]
+            last = ctx.decode(part, range(start, end), [0] * len(part), [False] * (len(part) - 1) + [True])[0]
+    return last
+whole = logits([])
+print(json.dumps({p: float((logits([p]) - whole).abs().max()) for p in map(int, sys.argv[2].split(","))}))
+"""
+
+
+@pytest.mark.slow
+def test_gemma_logits_do_not_depend_on_how_a_prompt_is_split_into_steps():
+    """A random-token prompt decoded whole, and split in two at points where a step gets fewer than
+    8 rows: the same logits, exactly, in a fresh process where pced alone sets llama.cpp's switches.
+    With llama.cpp's tiled K-quant products left on (GGML_CPU_TILED_MM=1) they were up to 1.06 apart."""
+    path = _gemma_path()
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    splits = "5,8,39,66,100,132,140"
+
+    def probe(extra: dict) -> dict:
+        run = subprocess.run([sys.executable, "-c", SPLIT_PROBE, path, splits], env={**env, **extra},
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert set(probe({}).values()) == {0.0}
+    assert max(probe({"GGML_CPU_TILED_MM": "1"}).values()) > 0.1  # what the switch keeps away
 
 
 @pytest.mark.slow

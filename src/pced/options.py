@@ -237,8 +237,9 @@ class LlamaSettings:
     threads: int | None = None  # None: torch's intra-op threads, i.e. --threads
     batch_tokens: int = 512  # tokens per llama_decode call (n_batch)
     # tokens per compute step (n_ubatch): below 64, llama.cpp's CPU kernels give a row the same numbers
-    # whatever else is in the step (measured: at 64 and above a row's logits moved by up to 0.5), so
-    # every PCED row is exactly its expert decoded alone; a step of more rows runs as several
+    # whatever else is in the step (at 64 queries its flash attention tiles, ggml-cpu/ops.cpp:9547-9551:
+    # a row's logits moved by up to 0.5; K-quant products are kept untiled, see backends/llamacpp/model.py),
+    # so every PCED row is exactly its expert decoded alone; a step of more rows runs as several
     ubatch_tokens: int = 32
 
     def __post_init__(self) -> None:

@@ -31,8 +31,21 @@ GGUF_MAGIC = b"GGUF"
 GGML_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type of the KV cache
 
 
+# ggml-cpu's tiled K-quant matrix product (Q2_K-Q6_K, IQ* weights) takes a step over from the per-row
+# dot products when the step has 8 rows or more (vendor/llama.cpp ggml/src/ggml-cpu/tiled/tiled.cpp:1202-1205,
+# called first by ggml-cpu.c:1268-1271), and the two round differently: a row's numbers then depend on how
+# many rows share its step (Gemma 3's Q4_K_M: logits up to 1.06 apart on a random-token prompt split in
+# two). Its master switch (tiled.cpp:572-581, read once, at the first product) off, every row is computed
+# by the same dot products, as a one-sequence llama.cpp decode computes it; measured cost on Gemma 3 270M
+# within the noise (docs/llamacpp.md). A value set beforehand wins.
+TILED_SWITCH = "GGML_CPU_TILED_MM"
+
+
 def require_llama_cpp():
-    """The low-level bindings, or a one-line error saying how to install them."""
+    """The low-level bindings, or a one-line error saying how to install them. Turns ggml-cpu's tiled
+    K-quant products off for this process (unless ``GGML_CPU_TILED_MM`` is set already): the backend,
+    like the vLLM engine with its own variables, owns its library's process-wide switch."""
+    os.environ.setdefault(TILED_SWITCH, "0")
     try:
         import llama_cpp
     except ImportError as exc:
@@ -114,7 +127,7 @@ class LlamaModel:
     backend = "llamacpp"
     # ggml-cpu's repacked weight layouts (use_extra_bufts): off. Its repacked Q4_K kernels compute a step's
     # rows in groups of 4 and the rest by another kernel (vendor/llama.cpp ggml/src/ggml-cpu/repack.cpp:4637),
-    # so a row's logits depended on how many rows shared its step (Gemma 3's Q4_K_M: up to 0.9 apart;
+    # so a row's logits depended on how many rows shared its step (Gemma 3's Q4_K_M: up to 1.18 apart;
     # experiments/llamacpp_state_sizes.py); the plain layout computes every row alike. A class
     # attribute, not an option: the exact contracts (restore, greedy, joins) need it off.
     repack_weights = False

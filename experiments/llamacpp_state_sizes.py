@@ -4,16 +4,20 @@ depend on how a prompt is split into steps (with and without ggml-cpu's repacked
 For each KV cache type and document length (random tokens), the bytes of a stored sequence state
 per token (a model with sliding-window layers keeps only the window's cells in those layers). Then
 one prompt's next-token logits decoded in one call against the same prompt in two calls split
-at each of ``--splits``: max |difference| with the weights repacked (llama.cpp's default) and in
-the plain layout (pced's). Prints and saves JSON + Markdown.
+at each of ``--splits`` (default: every point): max |difference| with the weights repacked
+(llama.cpp's default) and in the plain layout (pced's). ggml-cpu's tiled K-quant products are off
+as pced runs them; ``GGML_CPU_TILED_MM=1`` in the environment turns them back on for a comparison
+(the value is recorded). Prints and saves JSON + Markdown.
 
     python experiments/llamacpp_state_sizes.py --model PATH.gguf --out runs/llamacpp-state-sizes
+    GGML_CPU_TILED_MM=1 python experiments/llamacpp_state_sizes.py --model PATH.gguf --out runs/llamacpp-state-sizes-tiled
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,7 +29,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded model's)")
     parser.add_argument("--doc-tokens", default="64,256,512,2048")
     parser.add_argument("--prompt-tokens", type=int, default=141)
-    parser.add_argument("--splits", default="32,44,45,46,64")
+    parser.add_argument("--splits", default="all", help="points to split the prompt at (default: every one)")
     parser.add_argument("--out", default="runs/llamacpp-state-sizes")
     args = parser.parse_args()
     from pced.backends.llamacpp.model import LlamaModel
@@ -69,19 +73,27 @@ def main() -> None:
                 return last
 
         whole = logits([])
-        splits[name] = {int(p): float((logits([int(p)]) - whole).abs().max()) for p in args.splits.split(",")}
-        print(name, splits[name])
+        points = range(1, len(prompt)) if args.splits == "all" else map(int, args.splits.split(","))
+        splits[name] = {p: float((logits([p]) - whole).abs().max()) for p in points}
+        print(name, {p: d for p, d in splits[name].items() if d})
         model = None
+    tiled = os.environ.get("GGML_CPU_TILED_MM")
     result = {"model": llm.name, "gguf": llm.path, "n_swa": llm.n_swa, "ubatch": llm.settings.ubatch_tokens,
+              "GGML_CPU_TILED_MM": tiled,
               "state_sizes": sizes, "split_max_abs_logit_difference": splits}
     (out / "state_sizes.json").write_text(json.dumps(result, indent=1))
     lines = [f"# {llm.name} on llama.cpp: state bytes per token, and split prompts", "",
              f"Sliding window: {llm.n_swa or 'none'}; compute steps of {llm.settings.ubatch_tokens} tokens.", "",
              "| cache type | document tokens | bytes per token |", "|---|---|---|"]
     lines += [f"| {s['cache_type']} | {s['tokens']} | {s['bytes_per_token']:,.0f} |" for s in sizes]
-    lines += ["", f"Max |logit difference|, a {len(prompt)}-token prompt decoded whole against split in two at:", "",
-              "| weights | " + " | ".join(str(p) for p in splits["plain"]) + " |", "|---|" + "---|" * len(splits["plain"])]
-    lines += [f"| {name} | " + " | ".join(f"{v:.4g}" for v in values.values()) + " |" for name, values in splits.items()]
+    lines += ["", f"A {len(prompt)}-token random prompt decoded whole against split in two at each of "
+              f"{len(splits['plain'])} points (ggml-cpu's tiled K-quant products "
+              f"{'on' if tiled not in (None, '0') else 'off'}, GGML_CPU_TILED_MM={tiled}):", "",
+              "| weights | splits with a difference | max abs logit difference | where |", "|---|---|---|---|"]
+    for name, values in splits.items():
+        moved = {p: d for p, d in values.items() if d}
+        where = ", ".join(map(str, moved)) if len(moved) <= 12 else ", ".join(map(str, list(moved)[:12])) + ", ..."
+        lines.append(f"| {name} | {len(moved)} | {max(values.values(), default=0):.4g} | {where or '-'} |")
     (out / "state_sizes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -69,6 +69,7 @@ def test_question_with_undecodable_bytes_is_one_line(store_dir, tiny_model_dir):
     (["Who?", "--seed", "-5"], "seed must be an integer between 0 and 2**63 - 1"),
     (["Who?", "--stop", ""], "stop must be a tuple of non-empty strings"),
     (["Who?", "--prune-margin", "nan"], "prune_margin must be a finite number"),
+    (["Who?", "--backend", "llamacpp", "--gpu-layers", "-1"], "--gpu-layers must be 0 or more"),
 ])
 def test_unbounded_or_invalid_ask_options_are_refused_before_any_model_loads(store_dir, capsys, argv, expected):
     one_line_error(capsys, main(["ask", str(store_dir), *argv]), expected)

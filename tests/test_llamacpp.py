@@ -149,6 +149,25 @@ def test_a_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_path, l
 
 
 @pytest.mark.slow
+def test_gpu_layers_follow_the_build_and_a_cpu_build_ignores_them(tmp_path, llama_model):
+    """By default every layer goes to the GPU when llama-cpp-python was built with one, none on a CPU
+    build (this one); layers asked of a CPU build stay on the CPU: the same logits."""
+    lib = _llama()
+    assert llama_model.gpu_layers == (-1 if lib.llama_supports_gpu_offload() else 0)
+    if lib.llama_supports_gpu_offload():
+        pytest.skip("a GPU build: the CPU-only half does not apply")
+    assert llama_model.gpu_layers == 0
+    from pced.backends.llamacpp.model import LlamaModel
+
+    asked = LlamaModel(None, LlamaSettings(threads=1, gpu_layers=8))
+    assert asked.gpu_layers == 8
+    with llama_model.lock, asked.lock:
+        expected = _fresh_logits(llama_model, _store(llama_model, tmp_path / "a").builder, DOC, QUESTION)
+        got = _fresh_logits(asked, _store(asked, tmp_path / "b").builder, DOC, QUESTION)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
 def test_damaged_or_foreign_states_are_refused(tmp_path, llama_model):
     _llama()
     from pced.backends.llamacpp.model import LlamaModel

@@ -241,8 +241,13 @@ class LlamaSettings:
     # a row's logits moved by up to 0.5; K-quant products are kept untiled, see backends/llamacpp/model.py),
     # so every PCED row is exactly its expert decoded alone; a step of more rows runs as several
     ubatch_tokens: int = 32
+    # layers offloaded to a GPU: None, all of them when llama-cpp-python was built with a GPU backend
+    # (Metal, CUDA, Vulkan: llama_supports_gpu_offload) and none otherwise; 0 keeps the model on the CPU
+    gpu_layers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise ValueError(f"gpu layers must be 0 or more, got {self.gpu_layers}")
         if self.cache_type not in LLAMA_CACHE_TYPES:
             raise ValueError(f"unknown llama.cpp cache type {self.cache_type!r}; choose one of {', '.join(LLAMA_CACHE_TYPES)}")
         if self.threads is not None and self.threads < 1:

@@ -131,11 +131,17 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
 def add_llamacpp_options(group) -> None:
     group.add_argument("--cache-type", choices=LLAMA_CACHE_TYPES, default=LLAMA.cache_type,
                        help=f"llamacpp: the KV cache type, also of stored sequence states (default {LLAMA.cache_type})")
+    group.add_argument("--gpu-layers", type=int, default=LLAMA.gpu_layers, metavar="N",
+                       help="llamacpp: layers on the GPU when llama-cpp-python was built with one (Metal, CUDA); "
+                            "default: all there, none on a CPU build; 0 keeps the CPU")
 
 
 def llamacpp_settings_from(args: argparse.Namespace) -> LlamaSettings:
-    """The llama.cpp settings of --cache-type (threads: --threads, through torch's setting)."""
-    return LlamaSettings(cache_type=getattr(args, "cache_type", LLAMA.cache_type))
+    """The llama.cpp settings of --cache-type and --gpu-layers (threads: --threads, through torch's setting)."""
+    gpu_layers = getattr(args, "gpu_layers", LLAMA.gpu_layers)
+    if gpu_layers is not None and gpu_layers < 0:
+        raise InputError(f"--gpu-layers must be 0 or more (got {gpu_layers})")
+    return LlamaSettings(cache_type=getattr(args, "cache_type", LLAMA.cache_type), gpu_layers=gpu_layers)
 
 
 def vllm_settings_from(args: argparse.Namespace) -> VLLMSettings:

@@ -15,7 +15,7 @@ from ..evaluation.config import EvalConfig
 from ..options import METHODS, RETRIEVERS, STORAGE_DTYPES
 
 EVAL = EvalConfig(dataset="")  # the defaults of an evaluation run
-from .common import InputError, add_llamacpp_options, add_model_options
+from .common import InputError, add_llamacpp_options, add_model_options, llamacpp_settings_from
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
 
@@ -161,6 +161,7 @@ def config_from(args: argparse.Namespace):
         progress=not args.no_progress,
         backend=args.backend,
         cache_type=args.cache_type,
+        gpu_layers=llamacpp_settings_from(args).gpu_layers,
         follow=None if args.follow is None else _items(args.follow, "--follow"),
         max_joins=args.max_joins,
     )

@@ -53,6 +53,7 @@ class EvalConfig:
     progress: bool = True
     backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
     cache_type: str = LlamaSettings.cache_type  # --backend llamacpp: its KV cache type
+    gpu_layers: int | None = LlamaSettings.gpu_layers  # --backend llamacpp: layers on a GPU build's GPU
     follow: Sequence[str] | None = None  # PCED decode-time relevance modes to sweep (None: off only)
     max_joins: int = 2  # experts that may join per answer, in the modes with "join"
 

@@ -184,7 +184,7 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             lists = source.candidates(example, sorted({run.top_k for run in runs}), {run.relevance for run in runs})
             retrieval_s = time.perf_counter() - started
             # KV caches are built offline in the paper: encode this example's new ones before any clock starts
-            pced_generator = (store.llamacpp_generator(LlamaSettings(cache_type=config.cache_type))
+            pced_generator = (store.llamacpp_generator(LlamaSettings(cache_type=config.cache_type, gpu_layers=config.gpu_layers))
                               if config.backend == "llamacpp" else store.generator)
             pced_generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)),
                                       progress=False)

@@ -144,7 +144,9 @@ class LlamaModel:
         self.tokenizer = gguf_tokenizer(self.gguf, self.fingerprint)
         _start_backend(self.lib)
         params = self.lib.llama_model_default_params()
-        params.n_gpu_layers = 0 if not torch.cuda.is_available() else -1
+        self.gpu_layers = settings.gpu_layers if settings.gpu_layers is not None else (
+            -1 if self.lib.llama_supports_gpu_offload() else 0)  # -1: every layer
+        params.n_gpu_layers = self.gpu_layers
         params.use_extra_bufts = self.repack_weights
         self.handle = self.lib.llama_model_load_from_file(self.path.encode(), params)
         if not self.handle:

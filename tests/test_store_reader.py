@@ -11,8 +11,11 @@ import pytest
 from pced.documents import Document
 from pced.store import DocumentStore, IndexSettings, StoreError, index_store
 
+# Four index runs; after each, the writer waits (at most 30 s) until the reader has opened the new
+# generation, so that the reader is sure to overlap the runs however the two processes are scheduled.
 WRITER = """
-import sys
+import sys, time
+from pathlib import Path
 from pced.documents import Document
 from pced.llm import load_model
 from pced.store import IndexSettings, index_store
@@ -22,6 +25,9 @@ for run in range(4):
     docs = [Document(f"run{run}-{i}", f"Run {run}, fact {i}: the ferry {i} leaves at dawn.") for i in range(6)]
     docs.append(Document("changing", f"This document changes every run: now run {run}."))
     index_store(docs, sys.argv[1], settings, llm=llm, progress=False)
+    deadline = time.monotonic() + 30
+    while not (Path(sys.argv[3]) / f"seen-{run + 2}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 """
 
 
@@ -30,7 +36,9 @@ def test_readers_opening_a_store_while_it_is_indexed_are_never_refused(tmp_path,
     root = tmp_path / "store"
     index_store([Document("first", "The first document.")], root,
                 IndexSettings(model=str(tiny_model_dir), storage_dtype="float32"), llm=tiny_llm, progress=False)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(tiny_model_dir)],
+    marks = tmp_path / "seen"
+    marks.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(tiny_model_dir), str(marks)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     opens, refusals, seen = 0, [], set()
     deadline = time.monotonic() + 600
@@ -45,6 +53,7 @@ def test_readers_opening_a_store_while_it_is_indexed_are_never_refused(tmp_path,
                 assert len(store.retriever(name).doc_ids) == len(ids)
             opens += 1
             seen.add(store.generation)
+            (marks / f"seen-{store.generation}").touch()
         except StoreError as exc:
             refusals.append(str(exc))
         if finished:

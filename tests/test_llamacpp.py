@@ -156,7 +156,6 @@ def test_gpu_layers_follow_the_build_and_a_cpu_build_ignores_them(tmp_path, llam
     assert llama_model.gpu_layers == (-1 if lib.llama_supports_gpu_offload() else 0)
     if lib.llama_supports_gpu_offload():
         pytest.skip("a GPU build: the CPU-only half does not apply")
-    assert llama_model.gpu_layers == 0
     from pced.backends.llamacpp.model import LlamaModel
 
     asked = LlamaModel(None, LlamaSettings(threads=1, gpu_layers=8))

@@ -84,7 +84,6 @@ def test_readme_links_point_at_files_of_the_repository():
     assert len(README.splitlines()) <= 300
 
 
-
 def test_every_experiment_has_a_row_in_the_experiments_index():
     """experiments/README.md says what each script reproduces and how to run it: one row per file,
     and no row for a file that is gone."""
@@ -93,6 +92,7 @@ def test_every_experiment_has_a_row_in_the_experiments_index():
     files = {p.name for p in (ROOT / "experiments").iterdir() if p.is_file() and p.name != "README.md"}
     assert files - rows == set(), "experiments without a row"
     assert rows - files == set(), "rows for files that are not there"
+
 
 @pytest.mark.slow
 def test_quick_start_runs_exactly_as_printed(tmp_path):

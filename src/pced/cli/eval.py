@@ -137,6 +137,7 @@ def config_from(args: argparse.Namespace):
         nrngs = [_number(n, "--no-repeat-ngram", integer=True) for n in _items(args.no_repeat_ngram, "--no-repeat-ngram")]
         if min(nrngs) < 0:
             raise InputError(f"--no-repeat-ngram: values must be >= 0 (0 = off), got {min(nrngs)}")
+    llama = llamacpp_settings_from(args)
     return EvalConfig(
         dataset=args.dataset,
         methods=_choices(args.methods, "--methods", METHODS),
@@ -160,8 +161,8 @@ def config_from(args: argparse.Namespace):
         max_doc_tokens=_int_option(args.max_doc_tokens, "--max-doc-tokens", 16),
         progress=not args.no_progress,
         backend=args.backend,
-        cache_type=args.cache_type,
-        gpu_layers=llamacpp_settings_from(args).gpu_layers,
+        cache_type=llama.cache_type,
+        gpu_layers=llama.gpu_layers,
         follow=None if args.follow is None else _items(args.follow, "--follow"),
         max_joins=args.max_joins,
     )

@@ -32,7 +32,7 @@ from pced.cli.store import DEMO_OPTIONS
 from pced.corpus import read_corpus
 from pced.evaluation.compare import format_comparison, paired_comparison
 from pced.fs import atomic_write_json, atomic_write_text
-from pced.options import LLAMA_CACHE_TYPES, LlamaSettings
+from pced.backends.llamacpp.settings import LLAMA_CACHE_TYPES, LlamaSettings
 from pced.pipeline import ask
 from pced.store import DocumentStore, IndexSettings, index_store
 
@@ -45,12 +45,13 @@ def demo_answers(store_root: Path) -> dict:
         corpus = read_corpus(corpus_path)
     index_store(corpus, store_root, IndexSettings(), progress=False)
     for cache_type in LLAMA_CACHE_TYPES:
-        index_store(corpus, store_root, IndexSettings(), progress=False, llamacpp=LlamaSettings(cache_type=cache_type))
+        index_store(corpus, store_root, IndexSettings(), progress=False, backend="llamacpp",
+                    backend_settings=LlamaSettings(cache_type=cache_type))
     store = DocumentStore.open(store_root)
     backends = {"transformers": DEMO_OPTIONS}
     for cache_type in LLAMA_CACHE_TYPES:
         backends[f"llamacpp-{cache_type}"] = replace(DEMO_OPTIONS, backend="llamacpp",
-                                                     llamacpp=LlamaSettings(cache_type=cache_type))
+                                                     backend_settings=LlamaSettings(cache_type=cache_type))
     rows = []
     for item in json.loads((data / "demo_questions.json").read_text()):
         row = {"question": item["question"], "expected": item["answer"]}
@@ -63,7 +64,7 @@ def demo_answers(store_root: Path) -> dict:
         rows.append(row)
     sizes = {}
     for cache_type in LLAMA_CACHE_TYPES:
-        generator = store.llamacpp_generator(LlamaSettings(cache_type=cache_type))
+        generator = store.generator_for("llamacpp", LlamaSettings(cache_type=cache_type))
         prefix = generator.caches.prefix()
         sizes[f"llamacpp-{cache_type}"] = prefix.nbytes / prefix.n_tokens
     kv = store.generator.caches.prefix()  # float16 keys and values, the store's default

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/llamacpp-batching")
     args = parser.parse_args()
     from pced.backends.llamacpp.model import LlamaModel
-    from pced.options import LlamaSettings
+    from pced.backends.llamacpp.settings import LlamaSettings
 
     llm = LlamaModel(None, LlamaSettings(threads=args.threads))
     counts = [int(q) for q in args.questions.split(",")]

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     from pced.backends.llamacpp.model import LlamaModel
     from pced.backends.llamacpp.states import StateStore
-    from pced.options import LlamaSettings
+    from pced.backends.llamacpp.settings import LlamaSettings
     from pced.prompts import RAG_TEMPLATE, PromptBuilder
 
     out = Path(args.out)

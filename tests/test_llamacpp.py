@@ -17,7 +17,8 @@ from pced.cli import main
 from pced.documents import Candidate, Document
 from pced.kv.format import CacheError
 from pced.llm import ModelLoadError
-from pced.options import AskOptions, LlamaSettings
+from pced.backends.llamacpp.settings import LlamaSettings
+from pced.options import AskOptions
 from pced.prompts import RAG_TEMPLATE, PromptBuilder
 from pced.rule import RuleConfig
 from pced.sampling import SamplingConfig
@@ -96,9 +97,9 @@ def test_restored_state_gives_the_logits_of_encoding_the_document_again(tmp_path
 @pytest.mark.slow
 def test_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, llama_model, monkeypatch):
     _llama()
-    from pced.generator import LlamaGenerator
+    from pced.generator import Generator
 
-    generator = LlamaGenerator(llama_model, "rag", tmp_path / "states")
+    generator = Generator(llama_model, "rag", tmp_path / "states")
     rule = RuleConfig(beta=0.0, gamma=0.0, aggregation="max", score_space="logits")
     sampling = SamplingConfig(max_new_tokens=40)
     answer = generator.answer([Candidate(Document("obs", DOC), 0.9)], QUESTION, rule, sampling)

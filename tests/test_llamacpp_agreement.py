@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pced.corpus import read_corpus
-from pced.options import LlamaSettings
+from pced.backends.llamacpp.settings import LlamaSettings
 from pced.prompts import RAG_TEMPLATE, PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,9 +77,9 @@ def test_the_demo_questions_find_the_same_answers_on_both_backends(tmp_path):
     corpus, questions = _demo()
     root = tmp_path / "store"
     index_store(corpus, root, IndexSettings(), progress=False)
-    index_store(corpus, root, IndexSettings(), progress=False, llamacpp=LlamaSettings(threads=1))
+    index_store(corpus, root, IndexSettings(), progress=False, backend="llamacpp", backend_settings=LlamaSettings(threads=1))
     store = DocumentStore.open(root)
-    llama = replace(DEMO_OPTIONS, backend="llamacpp", llamacpp=LlamaSettings(threads=1))
+    llama = replace(DEMO_OPTIONS, backend="llamacpp", backend_settings=LlamaSettings(threads=1))
     identical = 0
     for item in questions:
         ours = ask(store, item["question"], DEMO_OPTIONS).generation.answer()

@@ -20,7 +20,7 @@ from helpers.llama_reference import llama_cpp_greedy
 
 from pced.cli import main
 from pced.documents import Candidate, Document
-from pced.options import LlamaSettings
+from pced.backends.llamacpp.settings import LlamaSettings
 from pced.rule import RuleConfig
 from pced.sampling import SamplingConfig
 from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _joined_and_from_start, _restored_logits, _store
@@ -85,9 +85,9 @@ def test_gemma_restored_state_gives_the_logits_of_encoding_the_document_again(tm
 
 @pytest.mark.slow
 def test_gemma_one_expert_without_contrast_is_llama_cpp_greedy(tmp_path, gemma, monkeypatch):
-    from pced.generator import LlamaGenerator
+    from pced.generator import Generator
 
-    generator = LlamaGenerator(gemma, "rag", tmp_path / "states")
+    generator = Generator(gemma, "rag", tmp_path / "states")
     rule = RuleConfig(beta=0.0, gamma=0.0, aggregation="max", score_space="logits")
     sampling = SamplingConfig(max_new_tokens=32)
     answer = generator.answer([Candidate(Document("obs", DOC), 0.9)], QUESTION, rule, sampling)
@@ -107,7 +107,7 @@ def test_gemma_joined_expert_sees_what_it_would_have_seen_from_the_start(tmp_pat
 SPLIT_PROBE = """
 import json, sys, torch
 from pced.backends.llamacpp.model import LlamaModel
-from pced.options import LlamaSettings
+from pced.backends.llamacpp.settings import LlamaSettings
 model = LlamaModel(sys.argv[1], LlamaSettings(threads=1))
 prompt = torch.randint(1000, model.n_vocab - 1000, (141,), generator=torch.Generator().manual_seed(0)).tolist()
 prompt[0] = int(model.lib.llama_vocab_bos(model.vocab))

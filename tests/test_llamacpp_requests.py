@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from pced.cli import main  # noqa: E402
 from pced.documents import Document  # noqa: E402
 from pced.kv.budget import GB  # noqa: E402
-from pced.options import AskOptions, LlamaSettings  # noqa: E402
+from pced.backends.llamacpp.settings import LlamaSettings  # noqa: E402
+from pced.options import AskOptions  # noqa: E402
 from pced.pipeline import ask  # noqa: E402
 from pced.sampling import SamplingConfig  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
@@ -31,7 +32,7 @@ FACTS = [Document(f"d{i}", f"Fact {i}: the {c} lantern of Vey{i} is kept in towe
          for i, c in enumerate(["red", "blue", "green", "amber", "violet", "silver"])]
 QUESTIONS = ["Where is the red lantern kept?", "Which tower keeps the amber lantern?", "What colour is Vey5's lantern?",
              "Where is the red lantern kept?", "Which lantern is in tower 14?"]
-OPTIONS = AskOptions(top_k=2, top_n=6, rerank=False, backend="llamacpp", llamacpp=LLAMA,
+OPTIONS = AskOptions(top_k=2, top_n=6, rerank=False, backend="llamacpp", backend_settings=LLAMA,
                      sampling=SamplingConfig(max_new_tokens=6))
 
 
@@ -50,16 +51,16 @@ def answers(store) -> list:
         asked = ask(store, question, OPTIONS)
         answer = asked.answer()
         out.append((answer.token_ids, [s.doc_id for s in answer.trace], [c.document.id for c in asked.candidates]))
-        stats = store.llamacpp_generator(LLAMA).caches.stats()
+        stats = store.generator_for("llamacpp", LLAMA).caches.stats()
         if stats["budget_bytes"] is not None:  # the question in flight may hold its own two past the budget
-            assert stats["bytes"] <= max(stats["budget_bytes"], 2 * state_bytes(store.llamacpp_generator(LLAMA)))
+            assert stats["bytes"] <= max(stats["budget_bytes"], 2 * state_bytes(store.generator_for("llamacpp", LLAMA)))
     return out
 
 
 @pytest.fixture(scope="module")
 def full_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama") / "full"
-    store, report = index_store(FACTS, root, IndexSettings(), progress=False, llamacpp=LLAMA)
+    store, report = index_store(FACTS, root, IndexSettings(), progress=False, backend="llamacpp", backend_settings=LLAMA)
     assert report["kv_encoded"] == len(FACTS)
     return store
 
@@ -67,15 +68,15 @@ def full_store(tmp_path_factory):
 @pytest.mark.slow
 def test_a_budgeted_llamacpp_store_answers_as_an_unbounded_one(tmp_path, full_store, capsys):
     expected = answers(full_store)
-    assert full_store.llamacpp_generator(LLAMA).caches.stats()["misses"] == 0
+    assert full_store.generator_for("llamacpp", LLAMA).caches.stats()["misses"] == 0
 
-    budget_gb = 3 * state_bytes(full_store.llamacpp_generator(LLAMA)) / GB  # three states: others evict
+    budget_gb = 3 * state_bytes(full_store.generator_for("llamacpp", LLAMA)) / GB  # three states: others evict
     bounded, report = index_store(FACTS, tmp_path / "bounded", IndexSettings(kv_budget_gb=budget_gb), progress=False,
-                                  llamacpp=LLAMA)
+                                  backend="llamacpp", backend_settings=LLAMA)
     assert report["kv_encoded"] == 0 and report["on_demand"]
     assert not list((tmp_path / "bounded" / "llamacpp-f16" / "seq").glob("*/*.safetensors"))
     assert answers(bounded) == expected
-    stats = bounded.llamacpp_generator(LLAMA).caches.stats()
+    stats = bounded.generator_for("llamacpp", LLAMA).caches.stats()
     assert stats["evictions"] > 0 and stats["misses"] > 3 and stats["hits"] > 0
     assert stats["bytes"] <= stats["budget_bytes"] == int(budget_gb * GB)
     assert main(["store", "stats", str(tmp_path / "bounded"), "--json"]) == 0  # without loading a model
@@ -85,8 +86,8 @@ def test_a_budgeted_llamacpp_store_answers_as_an_unbounded_one(tmp_path, full_st
 
 @pytest.mark.slow
 def test_an_evicted_state_is_encoded_again_when_loaded(tmp_path):
-    store, _ = index_store(FACTS[:2], tmp_path / "s", IndexSettings(lazy_kv=True), progress=False, llamacpp=LLAMA)
-    caches = store.llamacpp_generator(LLAMA).caches
+    store, _ = index_store(FACTS[:2], tmp_path / "s", IndexSettings(lazy_kv=True), progress=False, backend="llamacpp", backend_settings=LLAMA)
+    caches = store.generator_for("llamacpp", LLAMA).caches
     digest = caches.add([FACTS[0].render()])[0]
     before = caches.load(digest).data.copy()
     caches.path_for(digest).unlink()  # another process evicted it meanwhile
@@ -104,7 +105,7 @@ def test_request_documents_on_llamacpp_leave_the_store_byte_identical_within_the
     before = tree_digest(full_store.root)
     store = DocumentStore.open(full_store.root)
     budget_gb = 14 * 700_000 / GB  # about 14 of these documents' states (one request holds 8)
-    app = create_app(store, Limits(request_cache_gb=budget_gb), backend="llamacpp", llamacpp=LLAMA,
+    app = create_app(store, Limits(request_cache_gb=budget_gb), backend="llamacpp", settings=LLAMA,
                      request_cache_dir=str(tmp_path / "requests"))
     texts = []
     with TestClient(app) as client:
@@ -127,7 +128,7 @@ def test_request_documents_on_llamacpp_leave_the_store_byte_identical_within_the
 @pytest.mark.slow
 def test_a_baseline_with_documents_on_a_llamacpp_server_uses_the_transformers_request_cache(tmp_path, full_store):
     before = tree_digest(full_store.root)
-    app = create_app(DocumentStore.open(full_store.root), backend="llamacpp", llamacpp=LLAMA,
+    app = create_app(DocumentStore.open(full_store.root), backend="llamacpp", settings=LLAMA,
                      request_cache_dir=str(tmp_path / "requests"))
     with TestClient(app) as client:
         response = client.post("/v1/pced/answer", json={"question": "When does the harbour bell 1 ring?",

@@ -51,7 +51,7 @@ def test_show_prints_text_chunks_and_cache_state(store, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["text"] == LONG and info["chunks"] == len(info["parts"]) >= 3
     assert all(p["cache"] == "encoded" and p["cache_bytes"] > 0 for p in info["parts"])
-    (store.root / info["parts"][0]["cache_file"]).unlink()
+    (store.root / info["parts"][0]["cache_files"][0]).unlink()
     assert main(["store", "show", str(store.root), "long#chunk-1"]) == 0
     out = capsys.readouterr().out
     assert "not encoded" in out and "[long#chunk-1]" in out
@@ -76,7 +76,7 @@ def test_stats_bytes_by_part_add_up(store, capsys):
 def test_remove_drops_document_chunks_caches_and_index_entries(store, tmp_path, tiny_llm, capsys):
     reader = DocumentStore.open(store.root, tiny_llm)
     before = reader.retrieve("word7 word8", "hybrid", top_k=3, top_n=10)
-    long_caches = {Inventory.open(store).cache(d).path.name for d in store.documents if d.id.startswith("long")}
+    long_caches = {Inventory.open(store).cache(d).digest + ".safetensors" for d in store.documents if d.id.startswith("long")}
     with pytest.raises(StoreError, match="no document 'missing'"):
         remove_documents(store.root, ["long", "missing"], llm=tiny_llm)
     assert len(DocumentStore.open(store.root).documents) == len(store.documents)  # nothing changed
@@ -97,7 +97,7 @@ def test_remove_drops_document_chunks_caches_and_index_entries(store, tmp_path, 
     # a reader opened before keeps answering from what it loaded
     assert [c.doc_id for c in reader.retrieve("word7 word8", "hybrid", top_k=3, top_n=10)] == [c.doc_id for c in before]
     assert main(["store", "remove", str(store.root), "oskvale"]) == 0
-    assert "removed 1 documents" in capsys.readouterr().out
+    assert "removed 1 document (1 stored id)" in capsys.readouterr().out
     assert [d.id for d in DocumentStore.open(store.root).documents] == ["zorblax"]
     assert main(["store", "remove", str(store.root), "zorblax"]) == 2  # never an empty store
     assert "leave the store empty" in capsys.readouterr().err

@@ -7,14 +7,14 @@ import importlib.util
 
 import pytest
 
-from pced.cli.common import InputError, add_backend_options, vllm_settings_from
-from pced.options import VLLMSettings
+from pced.cli.common import InputError, add_backend_options, backend_settings_from
+from pced.backends.vllm.settings import VLLMSettings
 
 
 def parse(*argv: str) -> VLLMSettings:
     parser = argparse.ArgumentParser()
     add_backend_options(parser)
-    return vllm_settings_from(parser.parse_args(list(argv)))
+    return backend_settings_from(parser.parse_args(["--backend", "vllm", *argv]))
 
 
 def test_platform_defaults_fill_only_what_is_left_unset():

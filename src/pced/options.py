@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import ClassVar
 
+from .backend import DEFAULT_BACKEND, get_backend
 from .errors import UserError
 from .rule import Beta, RuleConfig
 from .sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
@@ -37,7 +37,6 @@ MODEL_FAMILY_RULES: dict[str, dict] = {"smollm2": {"gamma": 32.0}}
 
 METHODS = ("pced", "all", "single", "ape", "mapreduce")
 RETRIEVERS = ("hybrid", "sparse", "dense", "colbert", "hybrid-mean", "hybrid-rrf")  # hybrid-*: other fusions of the same indexes
-BACKENDS = ("transformers", "vllm", "llamacpp")
 STORAGE_DTYPES = ("float16", "float32", "bfloat16", "int8")  # int8: pced.kv.segment
 DEFAULT_STORAGE_DTYPE = "float16"  # how KV caches are stored unless an index says otherwise
 # Input limits shared by the CLI, the library and the server (each expert is a batch row per step,
@@ -161,102 +160,6 @@ def check_method(method: str) -> str:
 
 
 @dataclass(frozen=True)
-class VLLMSettings:
-    """How pced starts a vLLM engine (``--backend vllm``): options passed through to ``vllm.LLM``.
-    A field left None takes its platform's value from ``PLATFORM`` (``for_platform``)."""
-
-    dtype: str | None = None  # CPU: float32 (token for token like the transformers backend); CUDA: the model's own
-    gpu_memory_utilization: float | None = None  # share of GPU memory for weights + KV cache (CPU build: RAM for the KV)
-    max_num_seqs: int = 256  # requests (rows: a question is N+1 of them) scheduled at once
-    max_model_len: int | None = None  # CPU: the model's window; CUDA: at most PLATFORM's cap (it bounds the prefill budget)
-    tensor_parallel_size: int = 1  # more is refused: see __post_init__
-    block_size: int | None = 32  # small blocks: a document's KV is cached up to its last 31 tokens (CPU: a multiple of 32)
-    max_num_batched_tokens: int | None = None  # None: vLLM's default on a CPU, max_model_len on CUDA
-    # Off: a prompt prefilled in chunks hands the logits processor rows that are not next-token
-    # logits yet, indistinguishable from real ones; whole prefills keep every row meaningful.
-    enable_chunked_prefill: bool = False
-    enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
-    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading)
-
-    # The platform values of the fields left None. CUDA: bf16/fp16 weights (an 8B model is 16 GB, not
-    # 32), 0.85 of the GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
-    # on the window, which bounds the prefill budget (whole prefills need max_num_batched_tokens >=
-    # max_model_len: vllm/config/scheduler.py:315-327).
-    PLATFORM: ClassVar[dict[str, dict]] = {
-        "cpu": {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True, "max_model_len": None},
-        "cuda": {"dtype": "auto", "gpu_memory_utilization": 0.85, "enforce_eager": False, "max_model_len": 16384},
-    }
-
-    def __post_init__(self) -> None:
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
-            raise UserError("max_num_seqs and tensor_parallel_size must be at least 1")
-        if self.tensor_parallel_size > 1:
-            raise UserError("--tensor-parallel-size > 1 is refused: vLLM 0.32 then runs its workers in other processes, "
-                             "where PCED's group decisions are made, and its model-runner output has no field that "
-                             "brings a logits processor's result (who won each token, the betas) back; the trace "
-                             "could not be read. Use one GPU per engine.")
-        for name in ("max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.kv_transfer_config is not None:
-            self.kv_transfer()  # a missing or malformed file is refused before any engine starts
-
-    def for_platform(self, cuda: bool) -> "VLLMSettings":
-        """These settings with every field left None set to its platform's value."""
-        table = self.PLATFORM["cuda" if cuda else "cpu"]
-        return replace(self, **{k: v for k, v in table.items() if getattr(self, k) is None})
-
-    def kv_transfer(self) -> dict:
-        path = Path(self.kv_transfer_config)
-        try:
-            value = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
-        if not isinstance(value, dict) or "kv_connector" not in value:
-            raise UserError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
-                             "(vLLM's KVTransferConfig, e.g. LMCacheConnectorV1)")
-        return value
-
-    def engine_args(self) -> dict:
-        args = {k: v for k, v in asdict(self).items() if v is not None}
-        if self.kv_transfer_config is not None:
-            args["kv_transfer_config"] = self.kv_transfer()
-        return args
-
-
-LLAMA_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp KV cache types: a sequence state is stored in it
-
-
-@dataclass(frozen=True)
-class LlamaSettings:
-    """How pced runs a GGUF model on llama.cpp (``--backend llamacpp``)."""
-
-    cache_type: str = "f16"  # the KV cache's type (keys and values); q8_0 halves a stored state
-    threads: int | None = None  # None: torch's intra-op threads, i.e. --threads
-    batch_tokens: int = 512  # tokens per llama_decode call (n_batch)
-    # tokens per compute step (n_ubatch): below 64, llama.cpp's CPU kernels give a row the same numbers
-    # whatever else is in the step (at 64 queries its flash attention tiles, ggml-cpu/ops.cpp:9547-9551:
-    # a row's logits moved by up to 0.5; K-quant products are kept untiled, see backends/llamacpp/model.py),
-    # so every PCED row is exactly its expert decoded alone; a step of more rows runs as several
-    ubatch_tokens: int = 32
-    # layers offloaded to a GPU: None, all of them when llama-cpp-python was built with a GPU backend
-    # (Metal, CUDA, Vulkan: llama_supports_gpu_offload) and none otherwise; 0 keeps the model on the CPU
-    gpu_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.gpu_layers is not None and self.gpu_layers < 0:
-            raise ValueError(f"gpu layers must be 0 or more, got {self.gpu_layers}")
-        if self.cache_type not in LLAMA_CACHE_TYPES:
-            raise ValueError(f"unknown llama.cpp cache type {self.cache_type!r}; choose one of {', '.join(LLAMA_CACHE_TYPES)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
-        if not 1 <= self.ubatch_tokens <= self.batch_tokens:
-            raise ValueError(f"need 1 <= ubatch_tokens <= batch_tokens, got {self.ubatch_tokens} and {self.batch_tokens}")
-
-
-@dataclass(frozen=True)
 class AskOptions:
     """How to answer one question: method, retrieval, expert pruning, rule, sampling, backend."""
 
@@ -280,9 +183,8 @@ class AskOptions:
     ape_temperature: float = 0.9  # APE's T (APE's README)
     ape_scale: float = 0.9  # APE's S
     summary_tokens: int = 128  # MapReduce: tokens per map summary
-    backend: str = "transformers"  # or "vllm" (pced only, greedy): the same rule inside a vLLM engine
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # the engine's options, with --backend vllm
-    llamacpp: LlamaSettings = field(default_factory=LlamaSettings)  # with --backend llamacpp (a GGUF model)
+    backend: str = DEFAULT_BACKEND  # what runs the rows (pced.backend: the registry, each backend's capabilities)
+    backend_settings: object = None  # that backend's settings dataclass (None: its defaults)
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -292,20 +194,13 @@ class AskOptions:
                 raise UserError(f"{name} must be an integer, got {value!r}")
         if self.retriever not in RETRIEVERS:
             raise UserError(f"unknown retriever {self.retriever!r}; choose one of {', '.join(RETRIEVERS)}")
-        if self.backend not in BACKENDS:
-            raise UserError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if not 0 <= self.max_joins <= MAX_TOP_K:
             raise UserError(f"max_joins must be between 0 and {MAX_TOP_K}, got {self.max_joins}")
-        if self.backend == "vllm" and (self.rescore or self.max_joins):
-            raise UserError("decode-time relevance (--rescore, --max-joins) runs on the transformers backend only")
-        if self.backend == "llamacpp" and self.method != "pced":
-            raise UserError(f"the llamacpp backend runs pced only; use --backend transformers for {self.method}")
-        if self.backend == "vllm" and self.method != "pced":
-            raise UserError(f"the vllm backend runs pced only; use --backend transformers for {self.method}")
-        if self.backend == "vllm" and self.sampling.temperature > 0:
-            raise UserError("the vllm backend decodes greedily: --temperature is not supported with --backend vllm")
-        if self.backend == "vllm" and self.sampling.no_repeat_ngram:
-            raise UserError("the vllm backend decodes inside vLLM's sampler: --no-repeat-ngram is not supported with --backend vllm")
+        backend = get_backend(self.backend)  # an unknown name is refused here
+        object.__setattr__(self, "backend_settings", backend.settings(self.backend_settings))
+        refusal = backend.refusal(self)
+        if refusal is not None:
+            raise UserError(refusal)
         if not 1 <= self.top_k <= MAX_TOP_K:
             raise UserError(f"top_k must be between 1 and {MAX_TOP_K}, got {self.top_k} (each expert is a batch row)")
         if not 1 <= self.top_n <= MAX_TOP_N:

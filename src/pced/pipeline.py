@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .answers import Answer, Step, answer_json
+from .backend import get_backend
 from .decoding import Generation
 from .documents import Candidate
 from .errors import UserError
@@ -61,11 +62,13 @@ class Asked:
 
 def ask_candidates(generator, candidates: Sequence[Candidate], question: str, options: AskOptions = AskOptions(),
                    retrieval_s: float = 0.0, retrieve: Callable[[str], list[Candidate]] | None = None) -> Asked:
-    """Answer over given candidates with ``generator`` (a ``pced.generator.Generator``, or with
-    ``--backend llamacpp`` a ``pced.generator.LlamaGenerator``). Decode-time
-    relevance (``options.rescore`` / ``max_joins``) ranks candidates again with ``retrieve(query)``
-    (needed for it; ``ask`` passes the store's retrieval)."""
+    """Answer over given candidates with ``generator`` (a ``pced.generator.Generator`` of
+    ``options.backend``). Decode-time relevance (``options.rescore`` / ``max_joins``) ranks candidates
+    again with ``retrieve(query)`` (needed for it; ``ask`` passes the store's retrieval)."""
     check_question(question)
+    if generator.backend is not get_backend(options.backend):
+        raise UserError(f"these options run on the {options.backend} backend; the generator given runs on "
+                        f"{generator.backend.name} (make it with Generator(backend={options.backend!r}))")
     window = generator.llm.max_context
     if window and options.sampling.max_new_tokens >= window:  # before any cache is loaded or buffer allocated
         raise UserError(f"max_new_tokens {options.sampling.max_new_tokens} does not fit the model's {window}-token "
@@ -81,10 +84,8 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
 def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
     """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``."""
     check_question(question)
-    if options.backend == "vllm":  # start the engine before retrieval loads its libraries (vLLM 0.32 scans them)
-        from .backends.vllm.engine import shared_engine
-
-        shared_engine(store.llm.path, options.vllm)
+    generator = store.generator_for(options.backend, options.backend_settings)
+    generator.backend.prepare(generator.llm, generator.settings)  # before retrieval loads its libraries
 
     def rank(query: str, top_k: int = options.top_n) -> list[Candidate]:  # default: the whole pool (decode-time relevance)
         return store.retrieve(query, options.retriever, top_k=top_k, top_n=options.top_n, rerank=options.rerank,
@@ -92,7 +93,7 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
 
     started = time.perf_counter()
     candidates = rank(question, options.top_k)
-    return ask_candidates(store.generator_for(options), candidates, question, options, time.perf_counter() - started, rank)
+    return ask_candidates(generator, candidates, question, options, time.perf_counter() - started, rank)
 
 
 def follow_for(retrieve, generator, question: str, options: AskOptions):

@@ -7,7 +7,7 @@ import sys
 
 from pced.sampling import SamplingConfig
 from pced.backends.vllm.engine import shared_engine
-from pced.options import VLLMSettings
+from pced.backends.vllm.settings import VLLMSettings
 from pced.options import AskOptions
 from pced.pipeline import ask
 from pced.store import DocumentStore
@@ -21,7 +21,7 @@ engine = shared_engine(store.llm.path, settings)  # first: before retrieval impo
 print(json.dumps({"warm_up_tokens": engine.warm_up(store.generator.builder, [d.render() for d in store.documents])}),
       flush=True)
 for question in json.loads(open(questions_file).read()):
-    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32), vllm=settings)
+    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32), backend_settings=settings)
     reference = ask(store, question, base)
     served = ask(store, question, AskOptions(**{**base.__dict__, "backend": "vllm"}))
     print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),

@@ -1,12 +1,13 @@
-"""``pced bench --backend llamacpp``: PCED on llama.cpp beside transformers (and vLLM when it is
-installed), in one run, one question at a time.
+"""``pced bench --backend B``: PCED on several backends side by side (B and those of ``--beside``),
+in one run, one question at a time.
 
 On the bench's secret-code documents (``bench.run.secret_code_documents``) at the first
 ``--doc-tokens``, for each k of ``--ks``: time to first token (document caches read from their
-files: transformers' KV tensors, llama.cpp's sequence states; vLLM's prefix cache, prefilled
-before timing), decode milliseconds per step and the step's memory-bandwidth floor (the weights as
-the backend holds them plus every row's keys and values, over the measured copy bandwidth),
-medians of ``--repeats``; and the stored bytes per document token of each backend's caches.
+files in each backend's own kind: the transformers KV tensors, llama.cpp's sequence states; a
+backend that reads another's caches, vLLM, gets them as its ``Backend.bench_prepare`` says),
+decode milliseconds per step and the step's memory-bandwidth floor (the weights as the backend
+holds them plus every row's keys and values, over the measured copy bandwidth), medians of
+``--repeats``; and the stored bytes per document token of each backend's caches.
 
 Saved as bench_backends.json, .md in ``--out``.
 """
@@ -21,80 +22,85 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..backend import DEFAULT_BACKEND, get_backend
 from ..documents import Candidate
+from ..errors import UserError
 from ..fs import atomic_write_json, atomic_write_text
+from ..generator import Generator
 from ..llm import LoadedModel
-from ..options import AskOptions, LlamaSettings
+from ..options import AskOptions
 from ..pipeline import ask_candidates
 from ..sampling import SamplingConfig
 from .config import BenchConfig
 from .floor import copy_bandwidth, decode_floor_s
-from .run import _run, bench_generator, row_tokens, secret_code_documents
+from .run import RAG_TEMPLATE, _run, row_tokens, secret_code_documents
 
 TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
 
 
-def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, llama: LlamaSettings = LlamaSettings(),
-                       backends: tuple[str, ...] = ("transformers", "llamacpp", "vllm"), gguf=None) -> dict:
-    """``gguf``: the ``LlamaModel`` to time on llama.cpp (default: the embedded model's GGUF, as it
-    ships); a GGUF of another family is timed alone (``backends=("llamacpp",)``, ``llm`` that model)."""
-    from ..generator import LlamaGenerator
-    from ..backends.llamacpp.model import LlamaModel
-
+def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple], model: str | None = None) -> dict:
+    """Time each (backend, settings) of ``entries`` in turn at every k. ``llm`` is the torch model the
+    documents and question are made with, and the model of every backend that loads models the same
+    way (``Backend.model_key``); the others load ``model`` (None: the embedded one), e.g. a GGUF on
+    llama.cpp, which is then timed alone (``entries`` that one backend)."""
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
     doc_tokens = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     docs.sort(key=lambda d: d.id not in gold)  # gold first, so every k includes the answer
     texts = [d.render() for d in docs]
-    generators = {}
-    if "vllm" in backends:
-        try:
-            from ..backends.vllm.engine import shared_engine
-
-            engine = shared_engine(llm.path)
-            generators["vllm"] = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
-            engine.warm_up(generators["vllm"].builder, texts)
-        except ValueError as exc:  # vLLM not installed: the other backends still run
-            print(f"pced: bench: skipping vllm ({exc})")
-    if "transformers" in backends:
-        generators["transformers"] = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
-    gguf = gguf if gguf is not None else LlamaModel(None, llama)  # the embedded model's GGUF, as it ships
-    generators["llamacpp"] = LlamaGenerator(gguf, "rag", root / f"llamacpp-{gguf.name}-L{doc_tokens}-{llama.cache_type}", llama)
-    store_bytes = {}
-    for name, generator in generators.items():
+    default = get_backend(DEFAULT_BACKEND)
+    models = {default.model_key(default.settings()): llm}
+    generators, labels, store_bytes, prepared = {}, {}, {}, {}
+    for number, (backend, settings) in enumerate(entries, start=1):
+        backend = get_backend(backend)
+        settings = backend.settings(settings)
+        key = backend.model_key(settings)
+        if key not in models:
+            try:
+                models[key] = backend.load_model(model, settings)
+            except UserError as exc:  # one beside that is not installed: the others still run
+                if number == len(entries):
+                    raise
+                print(f"pced: bench: {backend.name} skipped ({exc})")
+                continue
+        timed = models[key]
+        label = backend.run_label(settings)
+        directory = root / f"{backend.cache_name(settings)}-{timed.name}-L{doc_tokens}-{cfg.storage_dtype}"
+        generator = Generator(timed, RAG_TEMPLATE, directory, cfg.storage_dtype, backend=backend, settings=settings)
         digests = generator.caches.add(texts, progress=False)
-        if name == "vllm":
-            continue
-        lengths = [len(generator.builder.encode(generator.builder.context_text([t]))) for t in texts]
-        files = [generator.caches.path_for(d) for d in digests]
-        store_bytes[name] = sum(f.stat().st_size for f in files) / sum(lengths)
+        prepared[label] = backend.bench_prepare(generator, texts)
+        generators[label] = generator
+        if backend.capabilities.own_caches:
+            lengths = [len(generator.builder.encode(generator.builder.context_text([t]))) for t in texts]
+            files = [generator.caches.path_for(d) for d in digests]
+            store_bytes[label] = sum(f.stat().st_size for f in files) / sum(lengths)
     bandwidth = copy_bandwidth(torch.device("cpu"))
-    weights = {"transformers": None, "vllm": None, "llamacpp": os.path.getsize(gguf.path)}
-    kv_token = {"llamacpp": generators["llamacpp"].caches.prefix().nbytes / generators["llamacpp"].caches.prefix().n_tokens}
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
-    results = {"config": asdict(cfg), "llamacpp": asdict(llama), "model": llm.name, "gguf": gguf.path,
-               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens,
-               "bandwidth_gb_s": bandwidth / 1e9, "store_bytes_per_token": store_bytes, "latency": []}
-    order = [b for b in ("transformers", "llamacpp", "vllm") if b in generators]
-    with tqdm(total=len(cfg.ks) * len(order) * cfg.repeats, desc="bench backends", unit="answer") as bar:
+    results = {"config": asdict(cfg), "backends": {label: {"backend": g.backend.name, "settings": asdict(g.settings),
+                                                           "model": g.llm.path, **prepared[label]}
+                                                   for label, g in generators.items()},
+               "model": llm.name, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+               "doc_tokens": doc_tokens, "bandwidth_gb_s": bandwidth / 1e9, "store_bytes_per_token": store_bytes,
+               "latency": []}
+    with tqdm(total=len(cfg.ks) * len(generators) * cfg.repeats, desc="bench backends", unit="answer") as bar:
         for k in cfg.ks:
             row = {"k": k}
-            for name in order:
-                generator = generators[name]
-                options = AskOptions(backend=name, sampling=sampling, llamacpp=llama)
+            for label, generator in generators.items():
+                backend = generator.backend
+                options = AskOptions(backend=backend.name, backend_settings=generator.settings, sampling=sampling)
                 runs = []
                 for _ in range(cfg.repeats):
                     runs.append(_run(ask_candidates(generator, candidates[:k], question, options).generation))
                     bar.update(1)
-                row[name] = {key: float(statistics.median(r[key] for r in runs)) for key in TIMES}
+                row[label] = {key: float(statistics.median(r[key] for r in runs)) for key in TIMES}
                 rows = row_tokens(generator, "pced", [doc_tokens] * k, question)
-                if name == "llamacpp":
-                    floor = (weights["llamacpp"] + kv_token["llamacpp"] * sum(rows)) / bandwidth
+                weights = backend.weights_bytes(generator.llm)
+                if weights is None:  # a torch model: its parameters and KV in its own dtype
+                    row[label]["floor_s"] = decode_floor_s(generator.llm.model, rows, bandwidth)
                 else:
-                    floor = decode_floor_s(llm.model, rows, bandwidth)
-                row[name]["floor_s"] = floor
+                    row[label]["floor_s"] = (weights + backend.kv_bytes_per_token(generator) * sum(rows)) / bandwidth
             results["latency"].append(row)
     atomic_write_json(root / "bench_backends.json", results)
     atomic_write_text(root / "bench_backends.md", markdown_report(results))
@@ -103,12 +109,12 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, llama: LlamaSettings 
 
 def markdown_report(results: dict) -> str:
     cfg = results["config"]
-    names = [b for b in ("transformers", "llamacpp", "vllm") if b in results["latency"][0]]
-    lines = [f"# pced bench --backend llamacpp: {results['model']}", "",
+    names = list(results["backends"])
+    models = "; ".join(f"{label}: {Path(b['model']).name}" for label, b in results["backends"].items())
+    lines = [f"# pced bench, backends side by side: {results['model']}", "",
              f"{results['cpu_count']} CPUs, {results['threads']} threads; documents of {results['doc_tokens']} tokens; "
-             f"{cfg['new_tokens']} new tokens per answer (EOS ignored); medians of {cfg['repeats']}; llama.cpp KV cache "
-             f"{results['llamacpp']['cache_type']} ({Path(results['gguf']).name}); copy bandwidth "
-             f"{results['bandwidth_gb_s']:.1f} GB/s.", "",
+             f"{cfg['new_tokens']} new tokens per answer (EOS ignored); medians of {cfg['repeats']}; models ({models}); "
+             f"copy bandwidth {results['bandwidth_gb_s']:.1f} GB/s.", "",
              "| k | " + " | ".join(f"{n} TTFT s | {n} ms/step (floor)" for n in names) + " |",
              "|---|" + "---|---|" * len(names)]
     for row in results["latency"]:

@@ -1,17 +1,18 @@
-"""``pced bench --backend vllm``: PCED inside a vLLM engine beside PCED on transformers, in one run.
+"""``pced bench --backend B`` for a backend whose engine batches questions (``Capabilities.concurrent_questions``:
+vLLM): PCED on it beside PCED on the default backend, in one run.
 
 On the bench's secret-code documents (``bench.secret_code_documents``), for each k of ``--ks`` at
 the first ``--doc-tokens``:
 
 - **latency**, one question at a time: time to first token and decode time per token, medians of
-  ``--repeats``. Transformers reads the documents' KV files; vLLM finds them in its prefix cache
-  (prefilled once before timing, as ``pced serve --backend vllm`` does at start).
+  ``--repeats``. The default backend reads the documents' KV files; the engine gets them as its
+  ``Backend.bench_prepare`` says (vLLM: its prefix cache, prefilled once before timing).
 - **throughput**, C questions at once for each C of ``--concurrency``: questions/s and tokens/s.
-  vLLM decodes them together (continuous batching); transformers answers them one after another,
-  as its server does. The C questions are the same question over the same documents: with every
+  The engine decodes them together (continuous batching); the default backend answers them one
+  after another, as its server lane does. The C questions are the same question over the same documents: with every
   prompt already cached this measures decoding, which is what batching changes.
 
-Saved as bench_vllm.json, .md and .png in ``--out``.
+Saved as bench_<backend>.json, .md and .png in ``--out``.
 """
 
 from __future__ import annotations
@@ -32,44 +33,48 @@ from .config import BenchConfig
 from ..documents import Candidate
 from ..fs import atomic_write_json, atomic_write_text
 from ..llm import LoadedModel
-from ..options import AskOptions, VLLMSettings
+from ..backend import DEFAULT_BACKEND, get_backend
+from ..generator import Generator
+from ..options import AskOptions
 from ..pipeline import ask_candidates
 
 
-def _options(cfg: BenchConfig, backend: str, settings: VLLMSettings) -> AskOptions:
-    return AskOptions(backend=backend, vllm=settings, sampling=SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True))
-
-
-def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, settings: VLLMSettings = VLLMSettings()) -> dict:
-    from ..backends.vllm.engine import shared_engine
-
+def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=None) -> dict:
+    """``backend`` (one whose engine batches questions) beside the default backend; ``llm`` the torch
+    model both read their prompts and caches with."""
+    backend, default = get_backend(backend), get_backend(DEFAULT_BACKEND)
+    settings = backend.settings(settings)
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
-    vllm = shared_engine(llm.path, settings)
     doc_tokens = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     docs.sort(key=lambda d: d.id not in gold)  # gold first, so every k includes the answer
-    generator = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
-    generator.caches.add([d.render() for d in docs], progress=False)
-    vllm.warm_up(generator.builder, [d.render() for d in docs])
+    reference = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
+    engine = Generator(llm, reference.template, reference.caches.root, cfg.storage_dtype, backend=backend, settings=settings)
+    generators = {default.name: reference, backend.name: engine}
+    reference.caches.add([d.render() for d in docs], progress=False)
+    prepared = backend.bench_prepare(engine, [d.render() for d in docs])
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
-    results = {"config": asdict(cfg), "vllm": asdict(settings), "model": llm.name, "device": str(llm.device),
-               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens,
-               "engine_start_s": vllm.start_s, "warm_up_s": vllm.warm_up_s, "latency": [], "throughput": []}
+    results = {"config": asdict(cfg), "backend": backend.name, "default": default.name, backend.name: asdict(settings),
+               "model": llm.name, "device": str(llm.device), "threads": torch.get_num_threads(),
+               "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens, **prepared, "latency": [], "throughput": []}
+    sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
 
-    def answer(backend: str, k: int) -> dict:
-        return _run(ask_candidates(generator, candidates[:k], question, _options(cfg, backend, settings)).generation)
+    def answer(name: str, k: int) -> dict:
+        generator = generators[name]
+        options = AskOptions(backend=name, backend_settings=generator.settings, sampling=sampling)
+        return _run(ask_candidates(generator, candidates[:k], question, options).generation)
 
     total = len(cfg.ks) * 2 * cfg.repeats + sum(c * 2 for c in cfg.concurrency)
-    with tqdm(total=total, desc="bench vllm", unit="answer") as bar:
+    with tqdm(total=total, desc=f"bench {backend.name}", unit="answer") as bar:
         for k in cfg.ks:
             row = {"k": k}
-            for backend in ("transformers", "vllm"):
+            for name in generators:
                 runs = []
                 for _ in range(cfg.repeats):
-                    runs.append(answer(backend, k))
+                    runs.append(answer(name, k))
                     bar.update(1)
-                row[backend] = {key: float(statistics.median(r[key] for r in runs))
+                row[name] = {key: float(statistics.median(r[key] for r in runs))
                                 for key in ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")}
             results["latency"].append(row)
         k = max(cfg.ks)
@@ -77,23 +82,23 @@ def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, settings: VLLMSettings = 
             row = {"k": k, "questions": concurrency}
             started = time.perf_counter()
             runs = []
-            for _ in range(concurrency):  # transformers: one after another, as its server lane does
-                runs.append(answer("transformers", k))
+            for _ in range(concurrency):  # the default backend: one after another, as its server lane does
+                runs.append(answer(default.name, k))
                 bar.update(1)
-            row["transformers"] = _throughput(runs, time.perf_counter() - started)
+            row[default.name] = _throughput(runs, time.perf_counter() - started)
             started = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
-                futures = [pool.submit(answer, "vllm", k) for _ in range(concurrency)]
+                futures = [pool.submit(answer, backend.name, k) for _ in range(concurrency)]
                 runs = []
                 for future in futures:
                     runs.append(future.result())
                     bar.update(1)
-            row["vllm"] = _throughput(runs, time.perf_counter() - started)
-            row["speedup"] = row["vllm"]["questions_per_s"] / row["transformers"]["questions_per_s"]
+            row[backend.name] = _throughput(runs, time.perf_counter() - started)
+            row["speedup"] = row[backend.name]["questions_per_s"] / row[default.name]["questions_per_s"]
             results["throughput"].append(row)
-    results["engine_counters"] = dict(vllm.counters)
-    atomic_write_json(root / "bench_vllm.json", results)
-    atomic_write_text(root / "bench_vllm.md", markdown_report(results))
+    results["engine_counters"] = backend.health(engine)
+    atomic_write_json(root / f"bench_{backend.name}.json", results)
+    atomic_write_text(root / f"bench_{backend.name}.md", markdown_report(results))
     plot(results, root)
     return results
 
@@ -106,26 +111,30 @@ def _throughput(runs: list[dict], wall: float) -> dict:
 
 def markdown_report(results: dict) -> str:
     cfg = results["config"]
-    lines = [f"# pced bench --backend vllm: {results['model']} on {results['device']}", "",
+    b, d = results["backend"], results["default"]
+    prepared = (f" Engine start {results['engine_start_s']:.1f} s, warm-up (every document into its prefix cache) "
+                f"{results['warm_up_s']:.1f} s." if "warm_up_s" in results else "")
+    lines = [f"# pced bench --backend {b}: {results['model']} on {results['device']}", "",
              f"{results['cpu_count']} CPUs; documents of {results['doc_tokens']} tokens; {cfg['new_tokens']} new tokens "
-             f"per answer (EOS ignored); medians of {cfg['repeats']}. vLLM engine start {results['engine_start_s']:.1f} s, "
-             f"warm-up (every document into its prefix cache) {results['warm_up_s']:.1f} s.", "",
+             f"per answer (EOS ignored); medians of {cfg['repeats']}.{prepared}", "",
              "## One question at a time", "",
-             "| k | transformers TTFT s | vLLM TTFT s | transformers decode ms/token | vLLM decode ms/token |",
+             f"| k | {d} TTFT s | {b} TTFT s | {d} decode ms/token | {b} decode ms/token |",
              "|---|---|---|---|---|"]
     for row in results["latency"]:
-        t, v = row["transformers"], row["vllm"]
+        t, v = row[d], row[b]
         lines.append(f"| {row['k']} | {t['ttft_s']:.3f} | {v['ttft_s']:.3f} | {t['decode_per_token_s'] * 1000:.1f} | "
                      f"{v['decode_per_token_s'] * 1000:.1f} |")
-    lines += ["", "## Questions at once (vLLM batches them; transformers answers them in turn)", "",
-              "| k | questions | transformers questions/s | vLLM questions/s | speed-up | vLLM tokens/s |",
+    lines += ["", f"## Questions at once ({b} batches them; {d} answers them in turn)", "",
+              f"| k | questions | {d} questions/s | {b} questions/s | speed-up | {b} tokens/s |",
               "|---|---|---|---|---|---|"]
     for row in results["throughput"]:
-        lines.append(f"| {row['k']} | {row['questions']} | {row['transformers']['questions_per_s']:.2f} | "
-                     f"{row['vllm']['questions_per_s']:.2f} | {row['speedup']:.2f}x | {row['vllm']['tokens_per_s']:.1f} |")
+        lines.append(f"| {row['k']} | {row['questions']} | {row[d]['questions_per_s']:.2f} | "
+                     f"{row[b]['questions_per_s']:.2f} | {row['speedup']:.2f}x | {row[b]['tokens_per_s']:.1f} |")
     counters = results.get("engine_counters", {})
-    lines += ["", f"vLLM prefix cache: {counters.get('cached_tokens', 0)} of {counters.get('prompt_tokens', 0)} group prompt "
-              f"tokens found cached; {counters.get('degraded_steps', 0)} degraded (incomplete-group) steps.", ""]
+    if counters:
+        lines += ["", f"{b} prefix cache: {counters.get('cached_tokens', 0)} of {counters.get('prompt_tokens', 0)} group "
+                  f"prompt tokens found cached; {counters.get('degraded_steps', 0)} degraded (incomplete-group) steps."]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -137,7 +146,7 @@ def plot(results: dict, root: Path) -> None:
 
     fig, (ax_latency, ax_rate) = plt.subplots(1, 2, figsize=(11, 4))
     ks = [row["k"] for row in results["latency"]]
-    for backend, style in (("transformers", "--s"), ("vllm", "-o")):
+    for backend, style in ((results["default"], "--s"), (results["backend"], "-o")):
         ax_latency.plot(ks, [row[backend]["decode_per_token_s"] * 1000 for row in results["latency"]], style, label=backend)
         counts = [row["questions"] for row in results["throughput"]]
         ax_rate.plot(counts, [row[backend]["questions_per_s"] for row in results["throughput"]], style, label=backend)
@@ -147,8 +156,8 @@ def plot(results: dict, root: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"PCED on vLLM vs transformers: {results['model']} on {results['device']}")
+    fig.suptitle(f"PCED on {results['backend']} vs {results['default']}: {results['model']} on {results['device']}")
     fig.tight_layout()
-    fig.savefig(root / "bench_vllm.png", dpi=120)
+    fig.savefig(root / f"bench_{results['backend']}.png", dpi=120)
     plt.close(fig)
 

@@ -35,7 +35,7 @@ def add_chat_parser(sub) -> None:
     add_retrieval_options(p)
     add_model_options(p)
     add_decoding_options(p)
-    add_backend_options(p)
+    add_backend_options(p, "chat")
     p.set_defaults(func=cmd_chat)
 
 

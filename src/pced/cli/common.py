@@ -8,14 +8,12 @@ import argparse
 from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..kv.tiers import CacheTiers
-from ..options import (BACKENDS, LLAMA_CACHE_TYPES, METHODS, PAPER_RULE, RETRIEVERS, AskOptions, LlamaSettings,
-                       VLLMSettings, family_defaults)
+from ..backend import get_backend
+from ..options import METHODS, PAPER_RULE, RETRIEVERS, AskOptions, family_defaults
 from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
 TIERS = CacheTiers()
-VLLM = VLLMSettings()
-LLAMA = LlamaSettings()
 
 
 class InputError(UserError):
@@ -100,60 +98,27 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                             f"in the top-k (default {AskOptions.max_joins}: off)")
 
 
-def add_backend_options(parser: argparse.ArgumentParser) -> None:
+def add_backend_options(parser: argparse.ArgumentParser, command: str = "ask", choices=None,
+                        help: str | None = None) -> None:
+    """--backend (every registered backend, or ``choices``) and each backend's own flags."""
+    from ..backend import all_backends
+
+    backends = all_backends() if choices is None else [b for b in all_backends() if b.name in choices]
     group = parser.add_argument_group("backend")
-    group.add_argument("--backend", choices=BACKENDS, default=AskOptions.backend,
-                       help="transformers (default), vllm (pced only, greedy; needs pip install 'pced[vllm]') or "
-                            "llamacpp (pced only; a GGUF model: --model file.gguf; needs pip install 'pced[llamacpp]')")
-    add_llamacpp_options(group)
-    cpu, cuda = VLLMSettings.PLATFORM["cpu"], VLLMSettings.PLATFORM["cuda"]
-    group.add_argument("--gpu-memory-utilization", type=float, default=VLLM.gpu_memory_utilization,
-                       help="vllm: memory share for weights and KV cache (CPU build: RAM for the KV; default "
-                            f"{cpu['gpu_memory_utilization']} on a CPU, {cuda['gpu_memory_utilization']} on CUDA)")
-    group.add_argument("--vllm-dtype", default=VLLM.dtype, choices=["auto", "float32", "float16", "bfloat16"],
-                       help=f"vllm: the engine's dtype (default {cpu['dtype']} on a CPU, {cuda['dtype']}: the model's own, on CUDA)")
-    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=VLLM.enforce_eager,
-                       help=f"vllm: no CUDA graphs or compilation (default {cpu['enforce_eager']} on a CPU, "
-                            f"{cuda['enforce_eager']} on CUDA)")
-    group.add_argument("--max-model-len", type=int, default=VLLM.max_model_len,
-                       help=f"vllm: the longest sequence (default: the model's window; on CUDA at most {cuda['max_model_len']})")
-    group.add_argument("--max-num-batched-tokens", type=int, default=VLLM.max_num_batched_tokens,
-                       help="vllm: tokens one engine step may prefill (default: max-model-len on CUDA, vLLM's own on a CPU)")
-    group.add_argument("--max-num-seqs", type=int, default=VLLM.max_num_seqs,
-                       help=f"vllm: requests scheduled at once (a question is N+1; default {VLLM.max_num_seqs})")
-    group.add_argument("--tensor-parallel-size", type=int, default=VLLM.tensor_parallel_size,
-                       help="vllm: GPUs one model is split over (only 1: the trace cannot come back from other processes)")
-    group.add_argument("--kv-transfer-config", default=VLLM.kv_transfer_config, metavar="FILE",
-                       help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
-                            "to keep document KV beyond GPU memory and restarts")
+    default = get_backend(AskOptions.backend)
+    group.add_argument("--backend", choices=[b.name for b in backends], default=default.name,
+                       help=help or "; ".join(f"{b.name}: {b.summary}" for b in backends))
+    for backend in backends:
+        backend.add_options(group, command)
 
 
-def add_llamacpp_options(group) -> None:
-    group.add_argument("--cache-type", choices=LLAMA_CACHE_TYPES, default=LLAMA.cache_type,
-                       help=f"llamacpp: the KV cache type, also of stored sequence states (default {LLAMA.cache_type})")
-    group.add_argument("--gpu-layers", type=int, default=LLAMA.gpu_layers, metavar="N",
-                       help="llamacpp: layers on the GPU when llama-cpp-python was built with one (Metal, CUDA); "
-                            "default: all there, none on a CPU build; 0 keeps the CPU")
-
-
-def llamacpp_settings_from(args: argparse.Namespace) -> LlamaSettings:
-    """The llama.cpp settings of --cache-type and --gpu-layers (threads: --threads, through torch's setting)."""
-    gpu_layers = getattr(args, "gpu_layers", LLAMA.gpu_layers)
-    if gpu_layers is not None and gpu_layers < 0:
-        raise InputError(f"--gpu-layers must be 0 or more (got {gpu_layers})")
-    return LlamaSettings(cache_type=getattr(args, "cache_type", LLAMA.cache_type), gpu_layers=gpu_layers)
-
-
-def vllm_settings_from(args: argparse.Namespace) -> VLLMSettings:
-    """The engine settings of --backend vllm's options (the defaults where a subcommand has none)."""
-    if not hasattr(args, "backend"):
-        return VLLM
+def backend_settings_from(args: argparse.Namespace):
+    """The chosen backend's settings from its flags (the defaults where a subcommand has none);
+    every value checked here, before any model loads."""
+    backend = get_backend(getattr(args, "backend", AskOptions.backend))
     try:
-        return VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                            tensor_parallel_size=args.tensor_parallel_size, kv_transfer_config=args.kv_transfer_config,
-                            dtype=args.vllm_dtype, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
-    except ValueError as exc:
+        return backend.settings_from_args(args)
+    except (UserError, ValueError) as exc:
         raise InputError(str(exc)) from None
 
 
@@ -167,29 +132,27 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
         fields["rerank"] = False
     if hasattr(args, "backend"):
         fields["backend"] = args.backend
+    settings = backend_settings_from(args)
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
                                   top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram)
-        return AskOptions(**fields, sampling=sampling, vllm=vllm_settings_from(args), llamacpp=llamacpp_settings_from(args))
+        return AskOptions(**fields, sampling=sampling, backend_settings=settings)
     except UserError as exc:
         raise InputError(str(exc)) from None
 
 
 def open_store(args: argparse.Namespace):
-    """The store of ``args.store``, with the model given by --model / --device / --dtype if any."""
-    from ..llm import load_model
+    """The store of ``args.store``, its model on the chosen backend loaded now: --model (another
+    folder or file of the store's model, e.g. a GGUF with its tokenizer), --device and --dtype
+    where given. A backend that runs only some methods loads no other model until one is asked."""
     from ..store import DocumentStore
 
-    tiers = tiers_from(args)
-    store = DocumentStore.open(args.store, tiers=tiers)
-    if getattr(args, "backend", None) == "llamacpp":  # the GGUF on llama.cpp; the transformers model is never loaded
-        store.llamacpp_generator(llamacpp_settings_from(args), args.model)
-        return store
-    if args.model is not None or args.device is not None or args.dtype != "auto":
-        llm = load_model(args.model or store.settings.model_path, device=args.device, dtype=args.dtype)
-        store = DocumentStore.open(args.store, llm, tiers=tiers)
+    store = DocumentStore.open(args.store, tiers=tiers_from(args))
+    backend = get_backend(getattr(args, "backend", AskOptions.backend))
+    load = {"device": args.device, "dtype": args.dtype} if hasattr(args, "device") else {}
+    store.model_for(backend, backend_settings_from(args), args.model, **load)
     return store
 
 
-__all__ = ["InputError", "add_backend_options", "add_llamacpp_options", "llamacpp_settings_from", "vllm_settings_from", "add_decoding_options", "add_model_options", "add_retrieval_options",
-           "ask_options_from", "open_store", "parse_beta", "tiers_from"]
+__all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_retrieval_options",
+           "ask_options_from", "backend_settings_from", "open_store", "parse_beta", "tiers_from"]

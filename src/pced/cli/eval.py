@@ -15,7 +15,8 @@ from ..evaluation.config import EvalConfig
 from ..options import METHODS, RETRIEVERS, STORAGE_DTYPES
 
 EVAL = EvalConfig(dataset="")  # the defaults of an evaluation run
-from .common import InputError, add_llamacpp_options, add_model_options, llamacpp_settings_from
+from ..backend import all_backends
+from .common import InputError, add_backend_options, add_model_options, backend_settings_from
 
 SWEEP_HELP = "comma list; a list of several values is a sweep"
 
@@ -71,10 +72,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--max-doc-tokens", default=str(EVAL.max_doc_tokens),
                    help=f"longer documents are split into chunks (default {EVAL.max_doc_tokens})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--backend", default=EVAL.backend,
-                   help="transformers (default), vllm or llamacpp: PCED's runs on vLLM (pip install 'pced[vllm]') or on the "
-                        "store model's GGUF in llama.cpp (pip install 'pced[llamacpp]'); baselines on transformers")
-    add_llamacpp_options(p)
+    add_backend_options(p, "eval", help="the methods a backend runs run on it, the others on the default one: "
+                                        + "; ".join(f"{b.name}: {b.summary}" for b in all_backends()))
     add_model_options(p)
     p.set_defaults(func=cmd_eval)
 
@@ -137,7 +136,7 @@ def config_from(args: argparse.Namespace):
         nrngs = [_number(n, "--no-repeat-ngram", integer=True) for n in _items(args.no_repeat_ngram, "--no-repeat-ngram")]
         if min(nrngs) < 0:
             raise InputError(f"--no-repeat-ngram: values must be >= 0 (0 = off), got {min(nrngs)}")
-    llama = llamacpp_settings_from(args)
+    backend_settings = backend_settings_from(args)
     return EvalConfig(
         dataset=args.dataset,
         methods=_choices(args.methods, "--methods", METHODS),
@@ -161,8 +160,7 @@ def config_from(args: argparse.Namespace):
         max_doc_tokens=_int_option(args.max_doc_tokens, "--max-doc-tokens", 16),
         progress=not args.no_progress,
         backend=args.backend,
-        cache_type=llama.cache_type,
-        gpu_layers=llama.gpu_layers,
+        backend_settings=backend_settings,
         follow=None if args.follow is None else _items(args.follow, "--follow"),
         max_joins=args.max_joins,
     )

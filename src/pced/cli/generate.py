@@ -22,14 +22,14 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--template", choices=["rag", "icl"], default="rag")
     given = GivenDocuments()
     gen.add_argument("--kv-dir", default=given.cache_dir,
-                     help="the request cache: where document caches are kept (llama.cpp's states in its "
-                          "llamacpp-<cache type>/; default: user cache, per model)")
+                     help="the request cache: where document caches are kept (a backend with caches of its own "
+                          "keeps them in its folder there, as in a store; default: user cache, per model)")
     gen.add_argument("--request-cache-gb", type=float, default=given.cache_gb,
                      help=f"disk for those caches, least recently used evicted (default {given.cache_gb:g})")
     gen.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
     add_model_options(gen)
     add_decoding_options(gen)
-    add_backend_options(gen)
+    add_backend_options(gen, "generate")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -68,33 +68,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     options = ask_options_from(args)
     tiers = tiers_from(args)
+    from ..backend import get_backend
     from ..generator import Generator
     from ..kv.budget import gb_to_bytes
-    from ..llm import load_model
     from ..pipeline import ask_candidates
+    from ..prompts import TEMPLATES
     from ..store import IndexSettings
 
-    if options.backend == "llamacpp":  # the GGUF on llama.cpp, its states in --kv-dir (default: under the cache)
-        from ..generator import LlamaGenerator
-        from ..backends.llamacpp.model import LlamaModel
-
-        llm = LlamaModel(args.model, options.llamacpp)
-    else:
-        llm = load_model(args.model, device=args.device, dtype=args.dtype)
+    backend, settings = get_backend(options.backend), options.backend_settings
+    llm = backend.load_model(args.model, settings, device=args.device, dtype=args.dtype)
     limit = IndexSettings().document_token_limit(llm.max_context)  # what the server takes per document
     for c in candidates:
         n = len(llm.tokenizer.encode(c.document.render(), add_special_tokens=False))
         if n > limit:
             raise InputError(f"document {c.document.id!r} has {n} tokens; at most {limit} per document (split it)")
-    if options.backend == "llamacpp":
-        from ..generator import request_states_dir
-        from ..prompts import TEMPLATES
-
-        root = request_states_dir(given.cache_dir, llm, TEMPLATES[args.template])
-        generator = LlamaGenerator(llm, args.template, root, options.llamacpp, budget_bytes=gb_to_bytes(given.cache_gb))
-    else:
-        generator = Generator(llm, args.template, given.cache_dir, args.storage_dtype, tiers,
-                              budget_bytes=gb_to_bytes(given.cache_gb))
+    template = TEMPLATES[args.template]
+    root = backend.request_cache_dir(given.cache_dir, llm, template, settings, args.storage_dtype)  # under --kv-dir
+    generator = Generator(llm, template, root, args.storage_dtype, tiers, budget_bytes=gb_to_bytes(given.cache_gb),
+                          backend=backend, settings=settings)
     asked = ask_candidates(generator, candidates, args.question, options)
     if args.json:
         print(json.dumps(asked.json(), ensure_ascii=False))

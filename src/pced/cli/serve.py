@@ -8,8 +8,7 @@ import math
 import os
 import sys
 
-from ..errors import UserError
-from .common import InputError, add_backend_options, add_model_options, llamacpp_settings_from, open_store, vllm_settings_from
+from .common import InputError, add_backend_options, add_model_options, backend_settings_from, open_store
 
 
 def add_serve_parser(sub) -> None:
@@ -21,7 +20,7 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but the page's own files (default: "
                         "$PCED_API_KEY if set; without a key only requests naming this server's address are answered)")
     add_model_options(p)
-    add_backend_options(p)
+    add_backend_options(p, "serve")
     from ..server.limits import Limits
 
     defaults = Limits()
@@ -34,7 +33,8 @@ def add_serve_parser(sub) -> None:
     limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
                         help=f"requests queued or running before 503 (default {defaults.max_queue})")
     limits.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent,
-                        help=f"--backend vllm: questions decoding at once (default {defaults.max_concurrent})")
+                        help="questions decoding at once on a backend whose engine batches them (default "
+                             f"{defaults.max_concurrent}; the others answer one at a time)")
     limits.add_argument("--max-documents", type=int, default=defaults.max_documents,
                         help=f"documents a request may carry (default {defaults.max_documents})")
     limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
@@ -82,19 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     request_cache_gb=args.request_cache_gb,
                     default_max_tokens=min(Limits.default_max_tokens, args.max_tokens),
                     request_timeout_s=args.request_timeout)
-    try:
-        vllm = vllm_settings_from(args)
-    except UserError as exc:
-        raise InputError(str(exc)) from None
+    settings = backend_settings_from(args)
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
-    app = create_app(store, limits, api_key=api_key, backend=args.backend, vllm=vllm, hosts=(args.host,),
-                     request_cache_dir=args.request_cache_dir, llamacpp=llamacpp_settings_from(args))
+    app = create_app(store, limits, api_key=api_key, backend=args.backend, settings=settings, hosts=(args.host,),
+                     request_cache_dir=args.request_cache_dir)
     report = app.state.worker.warm_up()
-    if args.backend == "vllm":
-        print(f"pced: vLLM engine started in {report['engine_start_s']:.1f} s; {len(store.documents)} documents "
-              f"({report['warm_up_tokens']} tokens) prefilled into its prefix cache in {report['warm_up_s']:.1f} s",
-              file=sys.stderr)
+    if report.get("message"):
+        print(f"pced: {report['message']}", file=sys.stderr)
     if not _is_loopback(args.host) and not api_key:
         print(f"pced: warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     shown = f"[{args.host}]" if ":" in args.host else args.host

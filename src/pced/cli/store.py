@@ -9,10 +9,11 @@ import logging
 import sys
 from importlib import resources
 
+from ..backend import all_backends
 from ..sampling import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
-from .common import (InputError, add_backend_options, add_decoding_options, add_llamacpp_options, add_model_options,
-                     add_retrieval_options, ask_options_from, llamacpp_settings_from, open_store)
+from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
+                     ask_options_from, backend_settings_from, open_store)
 
 DEMO_QUESTIONS = "demo_questions.json"
 DEMO_CORPUS = "demo_corpus.jsonl"
@@ -29,12 +30,11 @@ def add_index_parser(sub) -> None:
                    'LOFT {"pid", "passage_text", "title_text"?}, {"title", "text"}, or HotpotQA / MuSiQue / NQ '
                    'question or corpus files (every paragraph once)')
     p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
-    p.add_argument("--model", default=None, help="local Hugging Face causal LM, or a GGUF file with --backend llamacpp "
-                                                 "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", choices=("transformers", "llamacpp"), default=AskOptions.backend,
-                   help="whose document caches to encode: transformers (KV tensors, kv/) or llamacpp (llama.cpp "
-                        "sequence states, llamacpp-<cache type>/); one store may hold both")
-    add_llamacpp_options(p)
+    p.add_argument("--model", default=None, help="the model the backend loads: a local Hugging Face causal LM, or what "
+                                                 "--backend's help names (default: embedded SmolLM2-135M-Instruct)")
+    add_backend_options(p, "index", help="whose document caches to encode, each backend's in its own folder of the "
+                                         "store (one store may hold several): " + "; ".join(
+                                             f"{b.name}: {b.summary}" for b in all_backends()))
     p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--bge-m3", default=defaults.bge_m3, help="local BGE-M3 directory: sparse/dense/ColBERT from BGE-M3 instead of BM25/MiniLM")
     p.add_argument("--reranker", default=defaults.reranker, help="local cross-encoder or bge-reranker-v2-m3 directory, used by pced ask")
@@ -74,7 +74,8 @@ def add_demo_parser(sub) -> None:
 
 
 def add_verify_parser(sub) -> None:
-    p = sub.add_parser("verify", help="check every stored KV cache of a store (checksums, shapes, finiteness)")
+    p = sub.add_parser("verify", help="check every stored cache of a store, of every backend (checksums, shapes, "
+                                      "finiteness), and its retrieval index files")
     add_verify_arguments(p)
     p.set_defaults(func=cmd_verify)
 
@@ -86,15 +87,18 @@ def add_verify_arguments(p) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..kv.format import verify_cache_dir
     from ..retrieval.storage import verify_index_files
     from ..store import DocumentStore
+    from ..store.inventory import cache_directories
     from ..store.layout import RETRIEVERS_DIR
     from .terminal import printable
 
     store = DocumentStore.open(args.store)  # the manifest's schema, documents.jsonl against the retriever indexes
     index_damage = verify_index_files(store.state / RETRIEVERS_DIR)
-    report = verify_cache_dir(store.root / "kv", remove=args.remove)
+    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
+    for backend, directory in cache_directories(store.root):  # every backend's caches
+        for key, value in backend.verify_caches(directory, remove=args.remove).items():
+            report[key] += value
     for line in index_damage + report["damaged"]:
         print(f"pced: damaged: {printable(line, newlines=False)}", file=sys.stderr)
     old = f"; {report['without_checksum']} written before checksums (checked for shape and finiteness only)" \
@@ -121,8 +125,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
         kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
     )
-    llamacpp = llamacpp_settings_from(args) if args.backend == "llamacpp" else None
-    _, report = index_store(corpus, args.out, settings, llamacpp=llamacpp)
+    _, report = index_store(corpus, args.out, settings, backend=args.backend, backend_settings=backend_settings_from(args))
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"

@@ -15,6 +15,11 @@ from .terminal import printable
 from .common import InputError
 
 
+def plural(n: int, word: str) -> str:
+    """"1 document", "2 documents"."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def add_store_parser(sub) -> None:
     from .store import add_verify_arguments, cmd_verify
 
@@ -29,7 +34,8 @@ def add_store_parser(sub) -> None:
     show.add_argument("id", help="a document id (or one chunk's id)")
     show.add_argument("--json", action="store_true", help="print one JSON object")
     show.set_defaults(func=cmd_show)
-    remove = verbs.add_parser("remove", help="remove documents with their chunks, KV caches and retrieval index entries")
+    remove = verbs.add_parser("remove", help="remove documents with their chunks, every backend's caches and their "
+                                             "retrieval index entries (a chunk's own id is refused: name its document)")
     remove.add_argument("store", help="store directory built by pced index")
     remove.add_argument("ids", nargs="+", metavar="ID")
     remove.set_defaults(func=cmd_remove)
@@ -83,7 +89,8 @@ def cmd_show(args: argparse.Namespace) -> int:
           f"caches encoded: {info['encoded']}/{info['chunks']} ({human_bytes(info['cache_bytes'])})")
     for part in info["parts"]:
         print(f"\n[{printable(part['id'], newlines=False)}] {part['tokens']} tokens; cache {part['cache']}"
-              + (f", {human_bytes(part['cache_bytes'])}" if part["cache_bytes"] else "") + f"; {part['cache_file']}")
+              + (f", {human_bytes(part['cache_bytes'])}" if part["cache_bytes"] else "")
+              + "".join(f"; {name}" for name in part["cache_files"]))
         print(printable(part["text"]))
     return 0
 
@@ -94,11 +101,11 @@ def cmd_remove(args: argparse.Namespace) -> int:
     try:
         store, report = remove_documents(args.store, args.ids)
     except StoreError as exc:
-        if "no document" in str(exc):
+        if "no document" in str(exc) or "is a chunk of" in str(exc):
             raise InputError(str(exc)) from None
         raise
-    print(f"pced: store {args.store}: removed {len(args.ids)} documents ({len(report['removed'])} stored ids), "
-          f"{report['kv_orphans_removed']} KV caches deleted; {report['documents']} remain")
+    print(f"pced: store {args.store}: removed {plural(len(args.ids), 'document')} ({plural(len(report['removed']), 'stored id')}), "
+          f"{plural(report['kv_orphans_removed'], 'cache file')} deleted; {report['documents']} remain")
     return 0
 
 

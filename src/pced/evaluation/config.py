@@ -10,7 +10,8 @@ from typing import Sequence
 from pced.errors import UserError
 from pced.sampling import SamplingConfig
 from pced.kv.tiers import CacheTiers
-from pced.options import BACKENDS, DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions, LlamaSettings
+from pced.backend import DEFAULT_BACKEND, get_backend
+from pced.options import DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
 from pced.rule import Beta, RuleConfig
 from pced.store.layout import IndexSettings
 
@@ -51,9 +52,8 @@ class EvalConfig:
     gpu_cache_gb: float | None = CacheTiers.gpu_cache_gb  # document caches kept on the device between questions (None: by device)
     max_doc_tokens: int = IndexSettings.max_doc_tokens
     progress: bool = True
-    backend: str = AskOptions.backend  # PCED's runs on this backend; the baselines always on transformers
-    cache_type: str = LlamaSettings.cache_type  # --backend llamacpp: its KV cache type
-    gpu_layers: int | None = LlamaSettings.gpu_layers  # --backend llamacpp: layers on a GPU build's GPU
+    backend: str = AskOptions.backend  # the methods it runs run on it; the others on the default backend
+    backend_settings: object = None  # that backend's settings dataclass (None: its defaults)
     follow: Sequence[str] | None = None  # PCED decode-time relevance modes to sweep (None: off only)
     max_joins: int = 2  # experts that may join per answer, in the modes with "join"
 
@@ -122,8 +122,12 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--methods is empty")
     for method in methods:
         check_method(method)
-    if config.backend not in BACKENDS:
-        raise EvalError(f"--backend: {config.backend!r} is not one of {', '.join(BACKENDS)}")
+    try:
+        backend = get_backend(config.backend)
+        backend_settings = backend.settings(config.backend_settings)
+    except UserError as exc:
+        raise EvalError(f"--backend: {exc}") from None
+    runs_pced = "pced" in methods and (backend.capabilities.methods is None or "pced" in backend.capabilities.methods)
     if config.limit is not None and config.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {config.limit}")
     relevance = None if config.relevance is None else list(dict.fromkeys(config.relevance))
@@ -159,8 +163,9 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError("--no-repeat-ngram is empty")
     if any(isinstance(n, bool) or int(n) != n or n < 0 for n in nrng or []):
         raise EvalError(f"--no-repeat-ngram values must be integers >= 0 (0 = off), got {config.no_repeat_ngram!r}")
-    if nrng and any(nrng) and config.backend == "vllm" and "pced" in methods:
-        raise EvalError("--no-repeat-ngram: the vllm backend decodes inside vLLM's sampler; use --backend transformers")
+    if nrng and any(nrng) and runs_pced and not backend.capabilities.no_repeat_ngram:
+        raise EvalError(f"--no-repeat-ngram: the {backend.name} backend decodes inside its engine's sampler; use "
+                        f"--backend {DEFAULT_BACKEND}")
     from pced.methods.follow import MODES
 
     follow = None if config.follow is None else list(dict.fromkeys(config.follow))
@@ -169,8 +174,8 @@ def validate(config: EvalConfig) -> EvalConfig:
             raise EvalError(f"--follow: unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if follow == []:
         raise EvalError("--follow is empty")
-    if follow and config.backend == "vllm" and set(follow) != {"off"}:
-        raise EvalError("--follow: decode-time relevance runs on the transformers backend only")
+    if follow and set(follow) != {"off"} and runs_pced and not backend.capabilities.decode_time_relevance:
+        raise EvalError(f"--follow: decode-time relevance does not run on the {backend.name} backend")
     try:
         CacheTiers(gpu_cache_gb=config.gpu_cache_gb)
     except ValueError as exc:
@@ -178,6 +183,7 @@ def validate(config: EvalConfig) -> EvalConfig:
     if not 1 <= config.max_joins <= 64:
         raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
     return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow,
+                   backend_settings=backend_settings,
                    no_repeat_ngram=None if nrng is None else [int(n) for n in nrng], **sweeps)
 
 

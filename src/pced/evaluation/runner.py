@@ -30,7 +30,7 @@ import numpy as np
 
 from pced.documents import Candidate
 from pced.evaluation.config import EvalConfig, EvalError, RunConfig, build_grid, validate
-from pced.options import LlamaSettings
+from pced.backend import DEFAULT_BACKEND, get_backend
 from pced.evaluation.datasets import Dataset, Example, load_dataset, score_example
 from pced.evaluation.report import completed_pairs, format_table, write_reports
 from pced.evaluation.sources import CandidateSource, model_name, model_setting_of, prepare_store, safe_name
@@ -48,9 +48,9 @@ RUN_IDENTITY = ("dataset", "setting", "model", "max_new_tokens", "seed", "bge_m3
 
 
 def evaluate_one(generator, dataset: Dataset, example: Example, run: RunConfig,
-                 candidates: list[Candidate], sampling, retrieval_s: float, backend: str = "transformers",
-                 retrieve=None) -> dict:
-    """Generate, score and describe one (example, config) pair as a results.jsonl record."""
+                 candidates: list[Candidate], sampling, retrieval_s: float, retrieve=None) -> dict:
+    """Generate, score and describe one (example, config) pair as a results.jsonl record, on
+    ``generator``'s backend (with its settings)."""
     import torch
 
     from pced.options import AskOptions
@@ -66,8 +66,8 @@ def evaluate_one(generator, dataset: Dataset, example: Example, run: RunConfig,
         rule = {} if run.rule is None else {k: getattr(run.rule, k)
                                             for k in ("beta", "gamma", "aggregation", "score_space", "prior")}
         sampling = replace(sampling, no_repeat_ngram=run.no_repeat_ngram)
-        options = AskOptions(method=run.method, sampling=sampling, backend=backend if run.method == "pced" else "transformers",
-                             **rule, **run.ask_fields())
+        options = AskOptions(method=run.method, sampling=sampling, backend=generator.backend.name,
+                             backend_settings=generator.settings, **rule, **run.ask_fields())
         asked = ask_candidates(generator, candidates, example.question, options, retrieve=retrieve if run.follow else None)
         answer = asked.answer()
     except (ValueError, torch.cuda.OutOfMemoryError) as exc:  # e.g. "all" past the context window
@@ -140,8 +140,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict:
     identity = {**meta, "model": model_setting, "max_new_tokens": config.max_new_tokens, "seed": config.seed,
                 "bge_m3": config.bge_m3, "reranker": config.reranker, "storage_dtype": config.storage_dtype,
                 "max_doc_tokens": config.max_doc_tokens, "top_n": config.top_n,
-                "backend": None if config.backend == "transformers" else
-                config.backend + (f":{config.cache_type}" if config.backend == "llamacpp" else "")}
+                "backend": None if config.backend == DEFAULT_BACKEND else
+                get_backend(config.backend).run_label(config.backend_settings)}
     out.mkdir(parents=True, exist_ok=True)
     _check_run_identity(out, identity)
     results = out / "results.jsonl"
@@ -169,10 +169,8 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
 
     total = sum(len(runs) for _, runs in todo)
     print(f"pced: {total} answers to compute ({len(todo)} examples; {n_done} already in {results})", flush=True)
-    if config.backend == "vllm":  # the engine starts before the retrieval libraries load (vLLM 0.32 scans them)
-        from pced.backends.vllm.engine import shared_engine
-
-        shared_engine(llm.path)
+    backend = get_backend(config.backend)
+    backend.prepare(llm, config.backend_settings)  # an engine starts before the retrieval libraries load
     store = prepare_store(config, dataset, llm, model_setting)
     source = CandidateSource(dataset, store, config)
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, seed=config.seed)
@@ -184,14 +182,14 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
             lists = source.candidates(example, sorted({run.top_k for run in runs}), {run.relevance for run in runs})
             retrieval_s = time.perf_counter() - started
             # KV caches are built offline in the paper: encode this example's new ones before any clock starts
-            pced_generator = (store.llamacpp_generator(LlamaSettings(cache_type=config.cache_type, gpu_layers=config.gpu_layers))
-                              if config.backend == "llamacpp" else store.generator)
+            pced_generator = store.generator_for(backend, config.backend_settings)
             pced_generator.caches.add(list(dict.fromkeys(c.document.render() for found in lists.values() for c in found)),
                                       progress=False)
             for run in runs:
-                generator = pced_generator if run.method == "pced" else store.generator
+                generator = pced_generator if backend.capabilities.methods is None or run.method in \
+                    backend.capabilities.methods else store.generator  # the default backend runs the rest
                 record = evaluate_one(generator, dataset, example, run, lists[run.top_k, run.relevance],
-                                      sampling, retrieval_s, config.backend, source.again(example))
+                                      sampling, retrieval_s, source.again(example))
                 if "error" in record and not errors:
                     bar.write(f"pced: warning: {run.key} on {example.id}: {record['error']} (recorded, scored 0)")
                 errors += "error" in record

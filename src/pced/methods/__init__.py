@@ -1,8 +1,9 @@
 """The methods: pced and the baselines (all, single, ape, mapreduce), each a ``Generation`` built
-from rows of the backend and a scoring, so that the CLI, server, eval and bench treat them alike.
+from rows of a backend and a scoring, so that the CLI, server, eval and bench treat them alike.
 
-``start`` is the one place where a question's backend and method are chosen. All methods share the
-same candidates (ranked order), templates and sampling settings.
+``start`` is the one place where a question's method is chosen; the backend is the generator's
+(PCED asks it for its rows: ``pced.backend.Backend.expert_rows``). All methods share the same
+candidates (ranked order), templates and sampling settings.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ __all__ = ["BUILDERS", "check_method", "make_generation", "start"]
 
 
 def _pced(generator, candidates, question, rule, options, follow) -> Generation:
-    from .pced import pced_from_store
+    from .pced import pced_generation
 
-    return pced_from_store(generator.llm, generator.caches, candidates, question, rule, options.sampling, follow)
+    return pced_generation(generator, candidates, question, rule, options.sampling, follow)
 
 
 def _concatenated(generator, candidates, question, rule, options, follow) -> Generation:
@@ -47,23 +48,17 @@ def _mapreduce(generator, candidates, question, rule, options, follow) -> Genera
                                options.sampling, options.summary_tokens)
 
 
-# method -> how it is built on the transformers backend, from a Generator's model, prompt builder and KV store
+# method -> how it is built from a Generator: PCED on the generator's backend (its rows, pced.backend);
+# the baselines from the default backend's model, prompt builder and KV store (the only one that runs them)
 BUILDERS: dict[str, Callable[..., Generation]] = {"pced": _pced, "all": _concatenated, "single": _concatenated,
                                                   "ape": _ape, "mapreduce": _mapreduce}
 
 
 def start(generator, candidates: Sequence[Candidate], question: str, options: AskOptions, rule: RuleConfig | None = None,
           follow=None) -> Generation:
-    """``options.method`` on ``options.backend`` over ``candidates``, with ``generator``'s model, prompt
-    builder and KV store (a ``pced.generator.Generator``, or a ``LlamaGenerator`` on llamacpp); ``rule`` None is the model family's rule;
-    ``follow`` (PCED only) is decode-time relevance (``methods.follow``)."""
-    if options.backend == "vllm":  # PCED only (AskOptions refuses the rest)
-        from ..backends.vllm.engine import VLLMGeneration, shared_engine
-
-        return VLLMGeneration(shared_engine(generator.llm.path, options.vllm), generator.llm, generator.builder, candidates,
-                              question, rule if rule is not None else options.rule(generator.llm), options.sampling)
-    if options.backend == "llamacpp":  # PCED only (AskOptions refuses the rest): a LlamaGenerator's own rows
-        return generator.stream(list(candidates), question, rule, options.sampling, follow)
+    """``options.method`` over ``candidates`` with ``generator`` (a ``pced.generator.Generator`` of
+    ``options.backend``: its backend, model, prompt builder and caches); ``rule`` None is the model
+    family's rule; ``follow`` (PCED only) is decode-time relevance (``methods.follow``)."""
     return BUILDERS[check_method(options.method)](generator, list(candidates), question, rule, options, follow)
 
 

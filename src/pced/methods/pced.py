@@ -10,11 +10,10 @@ import torch
 from ..answers import Answer
 from ..sampling import SamplingConfig
 from ..backends.rows import ExpertRows
-from ..decoding import ContrastiveScoring, Generation
+from ..decoding import ContrastiveScoring, Generation, Rows, Scoring
 from ..documents import Candidate
 from ..options import resolve_rule
 from ..kv.segment import DocKV
-from ..kv.store import KVStore
 from ..llm import LoadedModel
 from ..rule import RuleConfig
 from .follow import Follow
@@ -44,14 +43,27 @@ class PCEDGeneration(Generation):
         sampling: SamplingConfig = SamplingConfig(),
         follow: Follow | None = None,
     ):
+        """PCED on the transformers rows over given caches (the form tests and tools build by hand);
+        ``over`` builds it on any backend's rows."""
         experts = list(experts)
         rows = ExpertRows(llm, prefix, [e.load for e in experts], suffix_ids, amateur_suffix_ids, sampling.max_new_tokens)
         scoring = ContrastiveScoring(rule if rule is not None else resolve_rule(llm),
                                      [e.doc_id for e in experts], [e.relevance for e in experts])
-        super().__init__(rows, scoring, llm, sampling, method="pced", amateur_only=not experts)
-        self.experts = experts
+        self._start(rows, scoring, llm, sampling, [e.relevance for e in experts], follow)
+
+    @classmethod
+    def over(cls, rows: Rows, scoring: Scoring, llm, sampling: SamplingConfig, relevance: Sequence[float],
+             follow: Follow | None = None) -> "PCEDGeneration":
+        """PCED over a backend's rows and scoring (``Backend.expert_rows``, ``Backend.pced_scoring``)."""
+        generation = cls.__new__(cls)
+        generation._start(rows, scoring, llm, sampling, relevance, follow)
+        return generation
+
+    def _start(self, rows: Rows, scoring: Scoring, llm, sampling: SamplingConfig, relevance: Sequence[float],
+               follow: Follow | None) -> None:
+        Generation.__init__(self, rows, scoring, llm, sampling, method="pced", amateur_only=not relevance)
         self.follow = follow
-        self.base_relevance = [e.relevance for e in experts]  # from the question alone
+        self.base_relevance = list(relevance)  # from the question alone
         self.joined: list[Candidate] = []  # candidates that joined mid-answer, in order
 
     def between_tokens(self) -> None:
@@ -75,20 +87,16 @@ class PCEDGeneration(Generation):
         return None if self.follow is None else self.scoring.rule.relevance.tolist()
 
 
-def pced_from_store(
-    llm: LoadedModel,
-    store: KVStore,
-    candidates: Sequence[Candidate],
-    question: str,
-    rule: RuleConfig | None = None,
-    sampling: SamplingConfig = SamplingConfig(),
-    follow: Follow | None = None,
-) -> PCEDGeneration:
-    """A PCEDGeneration over candidates (ranked order), encoding any document not yet in ``store``."""
-    digests = store.add([c.document.render() for c in candidates], progress=False)
-    experts = [Expert(c.document.id, c.relevance, lambda d=digest: store.load(d)) for c, digest in zip(candidates, digests)]
-    return PCEDGeneration(llm, store.prefix(), experts, store.builder.suffix_ids(question, with_context=True),
-                          store.builder.suffix_ids(question, with_context=False), rule, sampling, follow)
+def pced_generation(generator, candidates: Sequence[Candidate], question: str, rule: RuleConfig | None = None,
+                    sampling: SamplingConfig = SamplingConfig(), follow: Follow | None = None) -> PCEDGeneration:
+    """PCED over candidates (ranked order) on ``generator``'s backend (``pced.generator.Generator``:
+    a backend, its model, prompt builder and caches), encoding any document not yet cached."""
+    candidates = list(candidates)
+    backend = generator.backend
+    rule = rule if rule is not None else resolve_rule(generator.llm)
+    rows = backend.expert_rows(generator, candidates, question, sampling, rule, follow.max_joins if follow else 0)
+    return PCEDGeneration.over(rows, backend.pced_scoring(rows, rule, candidates), generator.llm, sampling,
+                               [c.relevance for c in candidates], follow)
 
 
 def generate(*args, **kwargs) -> Answer:

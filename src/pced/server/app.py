@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding import TimeLimitError
 from ..errors import UserError
-from ..options import AskOptions, LlamaSettings, VLLMSettings
+from ..options import AskOptions
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
 from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job, form_defaults
@@ -163,15 +163,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 
 def create_app(store, limits: Limits = Limits(), api_key: str | None = None, model_id: str | None = None,
-               backend: str = AskOptions.backend, vllm: VLLMSettings = VLLMSettings(),
-               hosts: tuple[str, ...] = (), request_cache_dir: str | None = None,
-               llamacpp: LlamaSettings = LlamaSettings()) -> FastAPI:
-    """An app over an opened DocumentStore: on the transformers backend one generation at a time,
-    in a worker thread; on the vLLM backend PCED questions decode together in its engine. Without
+               backend: str = AskOptions.backend, settings=None, hosts: tuple[str, ...] = (),
+               request_cache_dir: str | None = None) -> FastAPI:
+    """An app over an opened DocumentStore, answering with ``backend`` (and its ``settings``) what it
+    runs and with the default backend the rest, each in its worker lane (``server.worker``). Without
     ``api_key`` it answers only Host headers that name it (loopback names, the address a request
     arrived on, and ``hosts``: the names it was bound as). ``request_cache_dir``: where request
     documents' caches go (None: the user cache, per model)."""
-    worker = Worker(store, limits, backend, vllm, request_cache_dir, llamacpp)
+    worker = Worker(store, limits, backend, settings, request_cache_dir)
     model_name = model_id or worker.llm.name
 
     @asynccontextmanager

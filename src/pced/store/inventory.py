@@ -1,10 +1,12 @@
 """What a store holds, read without loading the model: documents (with their chunks), tokens, the
-state of each KV cache, and bytes by part (text, retrieval, caches). ``pced store list / show /
-stats`` print these; removing goes through the writer (``pced.store.writer.remove_documents``).
+state of each document's caches (every backend's: ``pced.backend``), and bytes by part (text,
+retrieval, caches). ``pced store list / show / stats`` print these; removing goes through the
+writer (``pced.store.writer.remove_documents``).
 
-A document longer than the store's ``max_doc_tokens`` is stored as chunks ``id#1``, ``id#2`` ...
-(``manifest["chunked"]`` names the documents split so): ``owner_of`` maps a stored id to the
-document it belongs to, the one place that knows.
+A document longer than the store's ``max_doc_tokens`` is stored as chunks, each recording the
+document it was split from (``Document.source``, written in documents.jsonl): the chunk relation is
+read from that record, never inferred from how an id is spelled, so a document of the user's whose
+id looks like a chunk's (``report#1`` beside a chunked ``report``) is a document of its own.
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ from pathlib import Path
 from ..documents import Document
 from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, state_dir
 
-KV_DIR = "kv"  # the store's KVStore root (pced.kv.store): prefix.safetensors, kv/<h[:2]>/<h>.safetensors
-
-
-def owner_of(doc_id: str, chunked: set[str]) -> str:
-    """The document a stored id belongs to: ``X`` for a chunk ``X#n`` of a chunked ``X``, else itself."""
-    base, sep, number = doc_id.rpartition("#")
-    return base if sep and number.isdigit() and base in chunked else doc_id
-
-
-def group_documents(documents: list[Document], chunked: set[str]) -> dict[str, list[Document]]:
+def group_documents(documents: list[Document]) -> dict[str, list[Document]]:
     """Owner id -> its stored documents (one, or its chunks in order), in store order."""
     groups: dict[str, list[Document]] = {}
     for document in documents:
-        groups.setdefault(document.source or owner_of(document.id, chunked), []).append(document)
+        groups.setdefault(document.owner, []).append(document)
     return groups
+
+
+def cache_directories(root: Path) -> list[tuple[object, Path]]:
+    """(backend, directory) of every backend's caches in the store (``Backend.cache_dirs``)."""
+    from ..backend import all_backends
+
+    found, seen = [], set()
+    for backend in all_backends():
+        for directory in backend.cache_dirs(root):
+            if directory.resolve() not in seen:
+                seen.add(directory.resolve())
+                found.append((backend, directory))
+    return found
 
 
 def tree_bytes(path: Path) -> int:
@@ -50,19 +56,27 @@ def tree_bytes(path: Path) -> int:
 @dataclass
 class CacheState:
     digest: str
-    path: Path
+    paths: list[Path]  # the document's cache file in each backend's cache directory of the store
     tokens: int  # the document's context tokens (what its cache holds)
 
     @property
+    def files(self) -> list[tuple[Path, int]]:
+        """(path, bytes) of the files that exist."""
+        found = []
+        for path in self.paths:
+            try:
+                found.append((path, path.stat().st_size))
+            except OSError:
+                pass
+        return found
+
+    @property
     def bytes(self) -> int:
-        try:
-            return self.path.stat().st_size
-        except OSError:
-            return 0
+        return sum(size for _, size in self.files)
 
     @property
     def encoded(self) -> bool:
-        return self.path.is_file()
+        return bool(self.files)
 
 
 @dataclass
@@ -75,17 +89,19 @@ class Inventory:
     builder: object
     _caches: dict[str, CacheState] = field(default_factory=dict)
 
+    directories: list | None = None  # (backend, cache directory); None: every backend's in the store
+
+    def __post_init__(self) -> None:
+        if self.directories is None:
+            self.directories = cache_directories(self.root)
+
     @classmethod
     def open(cls, store) -> "Inventory":
         """From a ``DocumentStore``: its tokenizer and template only (no model weights)."""
         return cls(store.root, store.manifest, store.documents, prompt_builder(store))
 
-    @property
-    def chunked(self) -> set[str]:
-        return set(self.manifest.get("chunked", []))
-
     def groups(self) -> dict[str, list[Document]]:
-        return group_documents(self.documents, self.chunked)
+        return group_documents(self.documents)
 
     def cache(self, document: Document) -> CacheState:
         if document.id not in self._caches:
@@ -93,8 +109,9 @@ class Inventory:
 
             context = self.builder.context_text([document.render()])
             digest = content_hash(context)
-            path = self.root / KV_DIR / "kv" / digest[:2] / f"{digest}.safetensors"
-            self._caches[document.id] = CacheState(digest, path, len(self.builder.encode(context)))
+            paths = [backend.cache_files(directory) / digest[:2] / f"{digest}.safetensors"
+                     for backend, directory in self.directories]
+            self._caches[document.id] = CacheState(digest, paths, len(self.builder.encode(context)))
         return self._caches[document.id]
 
     def row(self, owner: str, parts: list[Document]) -> dict:
@@ -115,7 +132,8 @@ class Inventory:
         row = self.row(doc_id, parts)
         row["text"] = " ".join(d.text for d in parts)
         row["parts"] = [{"id": d.id, "tokens": c.tokens, "cache": "encoded" if c.encoded else "not encoded (on first use)",
-                         "cache_bytes": c.bytes, "cache_file": str(c.path.relative_to(self.root)), "text": d.text}
+                         "cache_bytes": c.bytes, "cache_files": [str(p.relative_to(self.root)) for p, _ in c.files],
+                         "text": d.text}
                         for d, c in ((d, self.cache(d)) for d in parts)]
         return row
 
@@ -125,30 +143,28 @@ class Inventory:
         state = state_dir(self.root, self.manifest)  # the generation the manifest names
         parts = {"text": tree_bytes(state / DOCUMENTS) + tree_bytes(self.root / MANIFEST),
                  "retrieval": tree_bytes(state / RETRIEVERS_DIR),
-                 "caches": tree_bytes(self.root / KV_DIR) + sum(tree_bytes(d) for d in self.root.glob("llamacpp-*"))}
+                 "caches": sum(tree_bytes(directory) for _, directory in self.directories)}
         stats = {"documents": len(rows), "stored_chunks": len(self.documents), "tokens": sum(r["tokens"] for r in rows),
                  "caches_encoded": sum(r["encoded"] for r in rows), "bytes": {**parts, "total": sum(parts.values())}}
-        budget = kv_budget_stats(self.root, self.manifest)
-        if budget is not None:
-            stats["kv_budget"] = budget
-            for states in sorted(self.root.glob("llamacpp-*")):  # llama.cpp's states, each directory its own budget
-                stats[f"{states.name}_budget"] = kv_budget_stats(self.root, self.manifest, states)
+        for _, directory in self.directories:  # each cache directory its own budget
+            budget = kv_budget_stats(self.root, self.manifest, directory)
+            if budget is not None:
+                stats[f"{directory.name}_budget"] = budget
         return stats
 
 
-def kv_budget_stats(root: Path, manifest: dict, directory: Path | None = None) -> dict | None:
-    """Hook for the store's KV budget: its size and its hit / miss / eviction counters, or None for a
-    store without a budget. Read defensively from the manifest (``kv_budget_gb``, under ``settings``
-    or top level) and a JSON counters file in the kv directory, whatever its exact name, so that a
-    store written by another version never breaks ``pced store stats``. ``directory``: another cache
-    directory of the store (llama.cpp's ``llamacpp-<cache type>/``) instead of ``kv/``."""
+def kv_budget_stats(root: Path, manifest: dict, directory: Path) -> dict | None:
+    """Hook for a cache directory's budget: its size and its hit / miss / eviction counters, or None
+    for a store without a budget. Read defensively from the manifest (``kv_budget_gb``, under
+    ``settings`` or top level) and a JSON counters file in the directory, whatever its exact name, so
+    that a store written by another version never breaks ``pced store stats``."""
     settings = manifest.get("settings", {}) if isinstance(manifest.get("settings"), dict) else {}
     budget = manifest.get("kv_budget_gb", settings.get("kv_budget_gb"))
     if budget is None:
         return None
     out: dict = {"budget_gb": budget}
     for name in ("budget.json", "kv_budget.json", "usage.json", "stats.json"):
-        path = (directory or root / KV_DIR) / name
+        path = directory / name
         try:
             counters = json.loads(path.read_text())
         except (OSError, ValueError):

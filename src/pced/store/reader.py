@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..generator import Generator
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel, load_model
+from ..backend import DEFAULT_BACKEND, get_backend
 from ..options import AskOptions
 from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation, legacy_chunked,
                      read_documents, recover, state_dir)
@@ -35,8 +36,14 @@ class DocumentStore:
         self.settings = IndexSettings(**manifest["settings"])
         self.state = state_dir(root, manifest)  # this generation's documents.jsonl and retrievers/
         self.generation = generation(manifest)
-        self._llm, self._generator, self._retrievers, self._reranker = llm, generator, {}, None
-        self._llama = None  # (settings, LlamaGenerator) with --backend llamacpp
+        self._retrievers, self._reranker = {}, None
+        self._models: dict[tuple, object] = {}  # (backend's model key, path) -> its loaded model
+        self._generators: dict[tuple, Generator] = {}  # (backend name, its settings) -> the store's generator
+        if llm is not None:
+            backend = get_backend(getattr(llm, "backend", DEFAULT_BACKEND))
+            self._models[(backend.model_key(backend.settings(getattr(llm, "settings", None))), None)] = llm
+        if generator is not None:
+            self.adopt(generator)
 
     @classmethod
     def open(cls, root: str | os.PathLike, llm: LoadedModel | None = None, generator: Generator | None = None,
@@ -77,9 +84,9 @@ class DocumentStore:
         if mismatched:
             raise StoreError(f"{root}: the {mismatched[0]} index does not match documents.jsonl (an interrupted pced index?); "
                              "re-run it")
-        store = cls(root, manifest, documents, llm if llm is not None else getattr(generator, "llm", None), generator, tiers)
-        if store._llm is not None:
-            store.check_model(store._llm)
+        store = cls(root, manifest, documents, llm, generator, tiers)
+        for model in store._models.values():
+            store.check_model(model)
         return store
 
     def cache_stats(self) -> dict:
@@ -96,8 +103,10 @@ class DocumentStore:
         return _current_generation(self.root / MANIFEST) != self.generation
 
     def reopen(self) -> "DocumentStore":
-        """The store's current generation, with this one's model, generator and cache tiers."""
-        return DocumentStore.open(self.root, self._llm, self._generator, self.tiers)
+        """The store's current generation, with this one's models, generators and cache tiers."""
+        fresh = DocumentStore.open(self.root, tiers=self.tiers)
+        fresh._models, fresh._generators = dict(self._models), dict(self._generators)
+        return fresh
 
     def check_model(self, llm: LoadedModel) -> None:
         """The model must be the one the store was indexed with; on another backend (a GGUF on
@@ -117,51 +126,53 @@ class DocumentStore:
     def use_tiers(self, tiers: CacheTiers) -> None:
         """Keep document caches as ``tiers`` says from now on (a new, empty device pool)."""
         self.tiers = tiers
-        self._generator = None
+        self._generators.clear()
 
     # -- components (loaded on first use) -------------------------------------------------------
+    def model_for(self, backend=DEFAULT_BACKEND, settings=None, model: str | None = None, **load):
+        """The model ``backend`` answers with: the store's (``model`` another file or folder, e.g. a
+        GGUF with the store's tokenizer), loaded once per way of loading (``Backend.model_key``) and
+        checked against the store. ``load``: device, dtype."""
+        backend = get_backend(backend)
+        settings = backend.settings(settings)
+        slot = (backend.model_key(settings), model)
+        if slot not in self._models:
+            llm = backend.load_model(model or self.settings.model_path, settings, **load)
+            self.check_model(llm)
+            self._models[slot] = llm
+        return self._models[slot]
+
     @property
     def llm(self) -> LoadedModel:
-        if self._llm is None:
-            self._llm = load_model(self.settings.model_path)
-            self.check_model(self._llm)
-        return self._llm
+        """The default backend's model."""
+        return self.model_for()
+
+    def generator_for(self, backend=DEFAULT_BACKEND, settings=None, model: str | None = None) -> Generator:
+        """The store's generator on ``backend``: its model, the store's template, and its caches in
+        the store (``Backend.cache_dir``: ``kv/`` for transformers, ``llamacpp-<cache type>/`` for
+        llama.cpp, each under the store's budget)."""
+        from ..kv.budget import gb_to_bytes
+
+        backend = get_backend(backend)
+        settings = backend.settings(settings)
+        key = (backend.name, settings, model)
+        if key not in self._generators:
+            self._generators[key] = Generator(
+                self.model_for(backend, settings, model), self.settings.template, backend.cache_dir(self.root, settings),
+                self.settings.storage_dtype, self.tiers, budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
+                on_demand=self.settings.on_demand, recorded_model_path=self.manifest["model"].get("path"),
+                backend=backend, settings=settings)
+        return self._generators[key]
+
+    def adopt(self, generator: Generator, model: str | None = None) -> None:
+        """Answer with ``generator`` (its model and caches) on its backend from now on."""
+        self._models.setdefault((generator.backend.model_key(generator.settings), model), generator.llm)
+        self._generators[(generator.backend.name, generator.settings, model)] = generator
 
     @property
     def generator(self) -> Generator:
-        if self._generator is None:
-            from ..kv.budget import gb_to_bytes
-
-            self._generator = Generator(self.llm, self.settings.template, self.root / "kv", self.settings.storage_dtype,
-                                        self.tiers, budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
-                                        on_demand=self.settings.on_demand,
-                                        recorded_model_path=self.manifest["model"].get("path"))
-        return self._generator
-
-    def llamacpp_generator(self, settings=None, model: str | None = None):
-        """The store's model on llama.cpp (its GGUF: the embedded model as it ships, or the
-        ``--model file.gguf`` it was indexed with; ``model`` another GGUF with the same tokenizer),
-        with the sequence states under ``llamacpp-<cache type>/``."""
-        from ..generator import LlamaGenerator
-        from ..backends.llamacpp.model import LlamaModel
-        from ..backends.llamacpp.states import states_dir
-        from ..options import LlamaSettings
-
-        settings = settings if settings is not None else LlamaSettings()
-        if self._llama is None or self._llama[0] != settings or (model is not None and self._llama[1].llm.path != model):
-            llm = LlamaModel(model or self.settings.model_path, settings)
-            self.check_model(llm)
-            from ..kv.budget import gb_to_bytes
-
-            self._llama = (settings, LlamaGenerator(llm, self.settings.template,
-                                                    states_dir(self.root, settings.cache_type), settings,
-                                                    budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
-                                                    on_demand=self.settings.on_demand))
-        return self._llama[1]
-
-    def generator_for(self, options: AskOptions):
-        """The generator of ``options.backend``: llama.cpp's for llamacpp, else the transformers one."""
-        return self.llamacpp_generator(options.llamacpp) if options.backend == "llamacpp" else self.generator
+        """The default backend's generator."""
+        return self.generator_for()
 
     def retriever(self, name: str = AskOptions.retriever):
         from ..retrieval.compose import open_retriever

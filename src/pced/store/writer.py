@@ -19,12 +19,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from .. import __version__
+from ..backend import DEFAULT_BACKEND, get_backend
 from ..corpus import CHUNK_ID, chunk_corpus
 from ..documents import Document
 from ..generator import Generator
 from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes
-from ..llm import LoadedModel, load_model
+from ..llm import LoadedModel
 from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
                      legacy_chunked, read_documents, recover, state_dir, write_documents)
 from .lock import LOCK_FILE, writer_lock
@@ -34,8 +35,8 @@ LARGE_CORPUS_BYTES = 2 * GB  # above this estimate of the caches' size, pced ind
 
 
 def index_store(corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
-                llm: LoadedModel | None = None, progress: bool = True,
-                encode_kv: bool = True, llamacpp=None) -> tuple[DocumentStore, dict]:
+                llm: LoadedModel | None = None, progress: bool = True, encode_kv: bool = True,
+                backend: str = DEFAULT_BACKEND, backend_settings=None) -> tuple[DocumentStore, dict]:
     """Create or extend the store at ``root`` with ``corpus``; returns the opened store and a report.
 
     ``encode_kv=False`` (or ``settings.lazy_kv``, or a ``settings.kv_budget_gb``) builds the
@@ -45,25 +46,17 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
     a time: a second ``index_store`` on the same ``root`` waits for the first, then extends what it
     wrote. A budget set once is kept by later runs that give none.
 
-    ``llamacpp`` (a ``LlamaSettings``): encode llama.cpp sequence states of the GGUF model instead
-    of transformers caches (``STORE/llamacpp-<cache type>/`` beside ``kv/``; documents and retrieval
-    indexes are shared, so one store may hold caches for both backends)."""
+    ``backend`` (with its ``backend_settings``): whose document caches to encode, into its cache
+    directory (``Backend.cache_dir``: ``kv/`` for transformers, ``llamacpp-<cache type>/`` for
+    llama.cpp); documents and retrieval indexes are shared, so one store may hold caches for
+    several backends."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
+    backend = get_backend(backend)
     with writer_lock(root):
-        return _index_locked(corpus, root, settings, llm, progress, encode_kv, llamacpp)
-
-
-def _llama_generator(root: Path, settings: IndexSettings, llm, llamacpp):
-    """The GGUF on llama.cpp and its sequence-state writer (``STORE/llamacpp-<cache type>/``)."""
-    from ..generator import LlamaGenerator
-    from ..backends.llamacpp.model import LlamaModel
-    from ..backends.llamacpp.states import states_dir
-
-    llm = llm or LlamaModel(settings.model_path, llamacpp)
-    return llm, LlamaGenerator(llm, settings.template, states_dir(root, llamacpp.cache_type), llamacpp,
-                               budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand)
+        return _index_locked(corpus, root, settings, llm, progress, encode_kv, backend,
+                             backend.settings(backend_settings))
 
 
 def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
@@ -78,11 +71,13 @@ def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedMod
     with writer_lock(root):
         settings = IndexSettings(**json.loads((root / MANIFEST).read_text())["settings"])
         # encode_kv: nothing is added; a store's on-demand setting stays as its manifest says
-        return _index_locked([], root, settings, llm, False, True, remove=list(doc_ids))
+        backend = get_backend(DEFAULT_BACKEND)
+        return _index_locked([], root, settings, llm, False, True, backend, backend.settings(), remove=list(doc_ids))
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool, llamacpp=None, remove: list[str] = ()) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, backend, backend_settings,
+                  remove: list[str] = ()) -> tuple[DocumentStore, dict]:
     from ..retrieval.compose import build_indexes, describe_indexes
 
     reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
@@ -97,24 +92,22 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         recover(root)
     sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
     sweep_temporaries(root / GENERATIONS_DIR)
-    if llamacpp is None:
-        llm = llm or load_model(settings.model_path)
-        generator = Generator(llm, settings.template, root / "kv", settings.storage_dtype,
-                              budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
-                              recorded_model_path=previous.manifest["model"].get("path") if previous else None)
-    else:
-        llm, generator = _llama_generator(root, settings, llm, llamacpp)
+    llm = llm or backend.load_model(settings.model_path, backend_settings)
+    generator = Generator(llm, settings.template, backend.cache_dir(root, backend_settings), settings.storage_dtype,
+                          budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
+                          recorded_model_path=previous.manifest["model"].get("path") if previous else None,
+                          backend=backend, settings=backend_settings)
     if previous is not None:
         previous.check_model(llm)
     generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
     corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
     merged, added, updated, replaced = merge_documents(previous.documents if previous else [], corpus)
-    estimate = (cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
-                if llamacpp is None else None)  # llama.cpp's state size is known once a document is encoded
+    # a backend whose cache size is known only once a document is encoded (llama.cpp's states) has no estimate
+    estimate = backend.cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
     if progress and estimate is not None:
         print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
-    merged = [d for d in merged if d.id not in removed and d.owner not in removed]
+    merged = [d for d in merged if d.id not in removed]
     if remove and not merged:
         raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
@@ -153,31 +146,14 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     # (documents removed on request go at once: their caches are what the user asked to delete)
     keep = [d.render() for d in merged] + ([d.render() for d in previous.documents if d.id not in removed]
                                            if previous else [])
-    orphans = generator.caches.remove_unreferenced(generator.caches.digests(keep))
+    orphans = remove_unreferenced(root, set(generator.caches.digests(keep)))
     evicted = generator.caches.budget.record(protect=()) if settings.kv_budget_gb is not None else 0
     report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
               "chunks_replaced": replaced, "generation": number, "generations_swept": swept,
               "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
               "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
               "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
-    if llamacpp is None:
-        return DocumentStore.open(root, generator=generator), report
-    store = DocumentStore.open(root)
-    store._llama = (llamacpp, generator)
-    return store, report
-
-
-def cache_estimate(llm: LoadedModel, storage_dtype: str, token_counts: list[int]) -> dict:
-    """Disk the KV caches of documents with ``token_counts`` tokens take: keys and values of every
-    layer and key-value head per token (int8 adds a float32 scale per token and head)."""
-    config = llm.model.config
-    layers = int(config.num_hidden_layers)
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    width = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[storage_dtype]
-    per_token = 2 * layers * heads * head_dim * width + (layers * heads * 4 if storage_dtype == "int8" else 0)
-    tokens = sum(token_counts)
-    return {"bytes_per_token": per_token, "tokens": tokens, "bytes": per_token * tokens}
+    return DocumentStore.open(root, generator=generator), report
 
 
 def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -> str:
@@ -196,6 +172,20 @@ def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -
     return line
 
 
+def remove_unreferenced(root: Path, keep: set[str]) -> int:
+    """Delete, in every backend's cache directory of the store, the document caches not named in
+    ``keep`` (content hashes, the same name in every backend's directory); the indexing writer only."""
+    from .inventory import cache_directories
+
+    removed = 0
+    for backend, directory in cache_directories(root):
+        for path in backend.cache_files(directory).glob("*/*.safetensors"):
+            if path.stem not in keep:
+                path.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
 def _sweep_generations(root: Path, keep: set[int]) -> int:
     """Remove generations no reader can be using: all but the current and the previous one (and
     the top-level state of a store written before generations, once it is neither)."""
@@ -212,15 +202,21 @@ def _sweep_generations(root: Path, keep: set[int]) -> int:
 
 
 def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[str]:
-    """The stored ids (documents and their chunks) of the requested documents."""
+    """The stored ids (a document, or all its chunks) of the requested documents. A chunk's own id
+    is refused: a document goes with all its chunks, never one of them (it would be left incomplete)."""
     from .inventory import group_documents
 
-    groups = group_documents(previous.documents if previous else [], set(previous.manifest.get("chunked", [])) if previous else set())
-    stored = {d.id for d in previous.documents} if previous else set()
-    missing = [i for i in requested if i not in groups and i not in stored]
+    documents = previous.documents if previous else []
+    groups, stored = group_documents(documents), {d.id: d for d in documents}
+    for doc_id in requested:
+        if doc_id not in groups and doc_id in stored:
+            owner = stored[doc_id].source
+            raise StoreError(f"{doc_id!r} is a chunk of document {owner!r}; a document is removed with all its chunks: "
+                             f"pced store remove STORE {owner!r}")
+    missing = [i for i in requested if i not in groups]
     if missing:
         raise StoreError(f"no document {', '.join(map(repr, missing))} in the store (pced store list shows the ids)")
-    return {d.id for i in requested for d in groups.get(i, [])} | (set(requested) & stored)
+    return {d.id for i in requested for d in groups[i]}
 
 
 def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:

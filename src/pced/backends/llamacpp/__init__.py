@@ -2,5 +2,10 @@
 it ships, sequences as rows, document caches as stored sequence states.
 
 ``model`` loads the GGUF and wraps a llama.cpp context; ``states`` stores and restores document
-caches; ``rows`` is the backend of the one decoding loop; ``generator`` ties them for a question.
+caches (``verify`` checks them without a model); ``rows`` is the backend of the one decoding loop;
+``backend`` declares all of it to the registry (``pced.backend``); ``settings`` holds its options.
 """
+
+from .backend import LlamaCppBackend
+
+__all__ = ["LlamaCppBackend"]

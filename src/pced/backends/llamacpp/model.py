@@ -25,7 +25,7 @@ import torch
 
 from ...fingerprint import files_fingerprint
 from ...llm import ModelLoadError, cache_root, tokenizer_hash
-from ...options import LlamaSettings
+from .settings import LlamaSettings
 
 GGUF_MAGIC = b"GGUF"
 GGML_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type of the KV cache

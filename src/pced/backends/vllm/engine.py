@@ -37,7 +37,7 @@ from ...errors import UserError
 from ...sampling import SamplingConfig
 from ...decoding import Decision, Generation, Rows
 from ...documents import Candidate
-from ...options import VLLMSettings
+from .settings import VLLMSettings
 from ...prompts import PromptBuilder
 from ...rule import AMATEUR, RuleConfig
 from .groups import GroupMember, GroupRegistry, GroupState
@@ -56,6 +56,12 @@ def shared_engine(model_dir: str, settings: VLLMSettings = VLLMSettings()) -> "V
         if key not in _ENGINES:
             _ENGINES[key] = VLLMEngine(str(model_dir), settings)
         return _ENGINES[key]
+
+
+def running_engine(model_dir: str, settings: VLLMSettings) -> "VLLMEngine | None":
+    """The process's engine for this model and these settings if one has started, else None."""
+    with _STARTING:
+        return _ENGINES.get((str(model_dir), settings))
 
 
 def close_engines() -> None:

@@ -1,0 +1,262 @@
+"""The backend seam: what a backend is, what it declares, and the registry of backends by name.
+
+A backend runs a question's rows: it loads a model, encodes a document into a cache of its own
+kind (kept in a directory of a store or of the request cache), and opens rows for a question
+that the one decoding loop (``pced.decoding``) drives with the one rule. Each backend is a package
+under ``pced.backends`` with one ``Backend`` subclass, and one line in ``REGISTRY``; a backend that
+lives in another distribution registers the same line as an entry point in the ``pced.backends``
+group (``name = "package.module:Class"``), or calls ``register_backend`` at import.
+
+Everything above the engines (the CLI, the server, ``pced eval``, ``pced bench``, the store and
+``AskOptions``) asks the backend object, never compares its name: its capabilities and refusals,
+its settings dataclass and command-line flags, its cache directories, its bench hooks are written
+once, in the backend. The shape follows vLLM's platforms (one class a platform, resolved from a
+qualified name when first needed) and LangChain's chat models (one base class, capabilities as
+data the callers read).
+
+A backend's module is imported when it is first asked for and must import nothing heavy at module
+level (torch, its engine): ``pced --version`` and the store's metadata commands build the
+command line of every registered backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .errors import UserError
+
+# name -> "module:Class". The default backend answers every method; a request another backend does
+# not run (a baseline method, decode-time relevance) goes to it.
+DEFAULT_BACKEND = "transformers"
+REGISTRY: dict[str, str] = {
+    "transformers": "pced.backends.transformers:TransformersBackend",
+    "llamacpp": "pced.backends.llamacpp:LlamaCppBackend",
+    "vllm": "pced.backends.vllm:VLLMBackend",
+}
+ENTRY_POINT_GROUP = "pced.backends"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does itself. What it does not is refused in one line (``Backend.refusal``),
+    the same for the CLI, the library, the server and ``pced eval``."""
+
+    methods: tuple[str, ...] | None = None  # the methods it runs (None: every one)
+    sampling: bool = True  # temperature > 0 (False: greedy only)
+    no_repeat_ngram: bool = True  # the loop's n-gram ban
+    decode_time_relevance: bool = True  # --rescore, --max-joins
+    request_documents: bool = True  # documents sent with a question (the server, pced generate)
+    concurrent_questions: bool = False  # questions decode together in one engine (the server's wide lane)
+    own_caches: bool = True  # encodes document caches of its own kind (else it reads another backend's)
+
+
+@dataclass(frozen=True)
+class NoSettings:
+    """The settings of a backend that has none of its own."""
+
+
+class Backend:
+    """One backend. Subclasses set the class attributes and implement the engine hooks; the defaults
+    here are those of a backend without settings, flags or a bench of its own."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for --backend's help: what it runs and what it needs
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    settings_class: ClassVar[type] = NoSettings
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+    # -- settings -------------------------------------------------------------------------
+    def settings(self, value: Any = None) -> Any:
+        """``value`` (this backend's settings dataclass) or the defaults; a UserError for another's."""
+        if value is None:
+            return self.settings_class()
+        if not isinstance(value, self.settings_class):
+            raise UserError(f"the {self.name} backend takes {self.settings_class.__name__}, got {type(value).__name__}")
+        return value
+
+    def add_options(self, group: argparse._ArgumentGroup, command: str = "ask") -> None:
+        """Its own command-line flags for ``command`` (index, ask, chat, generate, serve, eval,
+        bench), none by default. Every flag's default is None or the settings dataclass's, so that
+        a flag left unset means that dataclass's default."""
+
+    def settings_from_args(self, args: argparse.Namespace) -> Any:
+        """Its settings from parsed flags (a subcommand without them: the defaults)."""
+        return self.settings_class()
+
+    def run_label(self, settings: Any) -> str:
+        """How an evaluation run records this backend (runs of different labels never mix)."""
+        return self.name
+
+    def refusal(self, options: Any) -> str | None:
+        """Why ``options`` (an ``AskOptions``) cannot run on this backend, or None."""
+        caps = self.capabilities
+        if caps.methods is not None and options.method not in caps.methods:
+            return (f"the {self.name} backend runs {', '.join(caps.methods)} only; use --backend "
+                    f"{DEFAULT_BACKEND} for {options.method}")
+        if not caps.decode_time_relevance and (options.rescore or options.max_joins):
+            return f"decode-time relevance (--rescore, --max-joins) does not run on the {self.name} backend"
+        if not caps.sampling and options.sampling.temperature > 0:
+            return f"the {self.name} backend decodes greedily: --temperature is not supported with --backend {self.name}"
+        if not caps.no_repeat_ngram and options.sampling.no_repeat_ngram:
+            return f"--no-repeat-ngram is not supported with --backend {self.name} (it decodes inside its engine's sampler)"
+        return None
+
+    def runs(self, options: Any) -> bool:
+        """Whether the method and its decode-time features run here (sampling aside): the server
+        sends what does not to the default backend's lane."""
+        caps = self.capabilities
+        return ((caps.methods is None or options.method in caps.methods)
+                and (caps.decode_time_relevance or not (options.rescore or options.max_joins))
+                and (caps.no_repeat_ngram or not options.sampling.no_repeat_ngram))
+
+    # -- the model ------------------------------------------------------------------------
+    def load_model(self, model: str | None, settings: Any, device: str | None = None, dtype: str = "auto") -> Any:
+        """The model it answers with (``model``: a --model setting, None for the embedded one)."""
+        raise NotImplementedError
+
+    def model_key(self, settings: Any) -> tuple:
+        """Backends whose models load alike (same key) share one loaded model in a store."""
+        return (self.name, settings)
+
+    def prepare(self, model: Any, settings: Any) -> None:
+        """Called before retrieval loads its libraries on a question's way (an engine that must
+        start first starts here). Nothing by default."""
+
+    # -- document caches ------------------------------------------------------------------
+    def cache_name(self, settings: Any) -> str:
+        """The folder of its caches in a store (and under a request-cache directory)."""
+        return self.name
+
+    def cache_dir(self, root: Path, settings: Any) -> Path:
+        return Path(root) / self.cache_name(settings)
+
+    def cache_dirs(self, root: Path) -> list[Path]:
+        """Every cache directory of its kind under a store ``root`` (any settings): what
+        ``pced store stats``, ``verify`` and ``remove`` cover. None for a backend that reads another's."""
+        if not self.capabilities.own_caches:
+            return []
+        return sorted(p for p in Path(root).glob(f"{self.cache_name(self.settings_class())}*") if p.is_dir())
+
+    def request_cache_dir(self, cache_dir: str | Path | None, model: Any, template: Any, settings: Any) -> Path:
+        """Where documents sent with a question keep their caches: its folder under ``cache_dir``,
+        or, without one, a folder per model, template and settings under the cache root."""
+        raise NotImplementedError
+
+    def open_caches(self, model: Any, builder: Any, directory: Path, settings: Any, **policy: Any) -> Any:
+        """The cache store of ``directory`` (``add``, ``load``, ``prefix``, ``stats``, ...); ``policy``:
+        storage_dtype, tiers, budget_bytes, on_demand, recorded_model_path."""
+        raise NotImplementedError
+
+    def cache_files(self, directory: Path) -> Path:
+        """The folder under a cache directory that holds one file per document (``<h[:2]>/<h>.safetensors``)."""
+        raise NotImplementedError
+
+    def verify_caches(self, directory: Path, remove: bool = False) -> dict:
+        """Check every file of a cache directory without a model: ``{"checked", "damaged": [lines],
+        "removed", "without_checksum"}``."""
+        raise NotImplementedError
+
+    def cache_estimate(self, model: Any, storage_dtype: str, token_counts: list[int]) -> dict | None:
+        """Disk its caches of documents with ``token_counts`` tokens take, when known before encoding."""
+        return None
+
+    # -- a question -----------------------------------------------------------------------
+    def expert_rows(self, generator: Any, candidates: list, question: str, sampling: Any, rule: Any,
+                    max_joins: int = 0) -> Any:
+        """PCED's rows (``decoding.Rows``): the amateur, then one row per candidate's document, from
+        ``generator``'s model, prompt builder and caches; room for ``max_joins`` documents joining
+        mid-answer (decode-time relevance)."""
+        raise NotImplementedError
+
+    def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
+        """The loop's ``Scoring`` for PCED over ``rows``: the contrastive rule on their logits."""
+        from .decoding import ContrastiveScoring
+
+        return ContrastiveScoring(rule, [c.document.id for c in candidates], [c.relevance for c in candidates])
+
+    # -- serving --------------------------------------------------------------------------
+    def warm_up(self, store: Any, settings: Any) -> dict:
+        """What ``pced serve`` does before the first request (beyond loading the model and the
+        retrievers), and a report of it. Nothing by default."""
+        return {}
+
+    def health(self, generator: Any) -> dict:
+        """The backend's counters for /health."""
+        return {}
+
+    # -- bench hooks ----------------------------------------------------------------------
+    def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
+        """Before a bench times ``generator`` over ``documents`` (rendered texts): what the backend
+        does with them first, and a report (e.g. an engine's start and warm-up seconds). Nothing
+        by default: the documents' caches are encoded by the bench itself."""
+        return {}
+
+    def weights_bytes(self, model: Any) -> int | None:
+        """Bytes of weights read per decode step, as the backend holds them (None: from the torch model)."""
+        return None
+
+    def kv_bytes_per_token(self, generator: Any) -> float | None:
+        """Bytes of keys and values one token adds to a row during decoding (None: from the torch model)."""
+        return None
+
+
+_LOCK = threading.Lock()
+_LOADED: dict[str, Backend] = {}
+_EXTRA: dict[str, str | type] = {}  # registered at run time (register_backend) or by entry points
+
+
+def register_backend(name: str, target: str | type) -> None:
+    """Add a backend: ``target`` a ``Backend`` subclass or its "module:Class" name."""
+    with _LOCK:
+        _EXTRA[name] = target
+        _LOADED.pop(name, None)
+
+
+def _entry_points() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend's name: the registry's, then entry points and run-time registrations."""
+    with _LOCK:
+        extra = dict(_EXTRA)
+    return tuple(dict.fromkeys([*REGISTRY, *_entry_points(), *extra]))
+
+
+def get_backend(name: str | Backend) -> Backend:
+    """The backend of that name (its class imported on first use); a UserError for an unknown name."""
+    if isinstance(name, Backend):
+        return name
+    with _LOCK:
+        if name in _LOADED:
+            return _LOADED[name]
+        target = _EXTRA.get(name) or REGISTRY.get(name)
+    if target is None:
+        target = _entry_points().get(name)
+    if target is None:
+        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
+    if isinstance(target, str):
+        module, _, attribute = target.partition(":")
+        target = getattr(import_module(module), attribute)
+    backend = target()
+    if backend.name != name:
+        raise TypeError(f"backend {name!r} resolves to {type(backend).__name__}, whose name is {backend.name!r}")
+    with _LOCK:
+        return _LOADED.setdefault(name, backend)
+
+
+def all_backends() -> list[Backend]:
+    return [get_backend(name) for name in backend_names()]
+
+
+__all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "REGISTRY", "all_backends", "backend_names",
+           "get_backend", "register_backend"]

@@ -1,0 +1,120 @@
+"""``VLLMBackend``: PCED inside a vLLM engine, declared for the registry (``pced.backend``).
+
+A question is N+1 requests of the engine, decided together by pced's logits processor
+(``engine``, ``groups``, ``processor``); many questions decode together (continuous batching).
+The model is the store's Hugging Face folder (the engine loads its own weights; pced keeps the
+torch model for the tokenizer and the prompts), the document caches are the transformers
+backend's ``kv/`` (this backend encodes none of its own). It runs PCED only, greedily, without
+decode-time relevance or the loop's n-gram ban (vLLM's sampler decides the token). Nothing heavy is
+imported at module level (vLLM loads with the first engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ...backend import Capabilities
+from ...errors import UserError
+from ..transformers.backend import TransformersBackend
+from .settings import VLLMSettings
+
+DEFAULTS = VLLMSettings()
+
+
+class VLLMBackend(TransformersBackend):
+    name = "vllm"
+    summary = "PCED inside a vLLM engine, many questions at once (pced only, greedy); pip install 'pced[vllm]'"
+    capabilities = Capabilities(methods=("pced",), sampling=False, no_repeat_ngram=False, decode_time_relevance=False,
+                                concurrent_questions=True, own_caches=False)
+    settings_class = VLLMSettings
+
+    # -- settings -------------------------------------------------------------------------
+    def add_options(self, group, command: str = "ask") -> None:
+        if command == "index":  # it encodes no caches of its own
+            return
+        cpu, cuda = VLLMSettings.PLATFORM["cpu"], VLLMSettings.PLATFORM["cuda"]
+        group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization,
+                           help="vllm: memory share for weights and KV cache (CPU build: RAM for the KV; default "
+                                f"{cpu['gpu_memory_utilization']} on a CPU, {cuda['gpu_memory_utilization']} on CUDA)")
+        group.add_argument("--vllm-dtype", default=DEFAULTS.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+                           help=f"vllm: the engine's dtype (default {cpu['dtype']} on a CPU, {cuda['dtype']}: the "
+                                "model's own, on CUDA)")
+        group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=DEFAULTS.enforce_eager,
+                           help=f"vllm: no CUDA graphs or compilation (default {cpu['enforce_eager']} on a CPU, "
+                                f"{cuda['enforce_eager']} on CUDA)")
+        group.add_argument("--max-model-len", type=int, default=DEFAULTS.max_model_len,
+                           help="vllm: the longest sequence (default: the model's window; on CUDA at most "
+                                f"{cuda['max_model_len']})")
+        group.add_argument("--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
+                           help="vllm: tokens one engine step may prefill (default: max-model-len on CUDA, vLLM's "
+                                "own on a CPU)")
+        group.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                           help=f"vllm: requests scheduled at once (a question is N+1; default {DEFAULTS.max_num_seqs})")
+        group.add_argument("--tensor-parallel-size", type=int, default=DEFAULTS.tensor_parallel_size,
+                           help="vllm: GPUs one model is split over (only 1: the trace cannot come back from other "
+                                "processes)")
+        group.add_argument("--kv-transfer-config", default=DEFAULTS.kv_transfer_config, metavar="FILE",
+                           help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
+                                "to keep document KV beyond GPU memory and restarts")
+
+    def settings_from_args(self, args: argparse.Namespace) -> VLLMSettings:
+        names = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "kv_transfer_config",
+                 "enforce_eager", "max_model_len", "max_num_batched_tokens")
+        given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        if hasattr(args, "vllm_dtype"):
+            given["dtype"] = args.vllm_dtype
+        try:
+            return VLLMSettings(**given)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+
+    # -- document caches: the transformers backend's (kv/), read, never written as its own --------------
+    def cache_dirs(self, root: Path) -> list[Path]:
+        return []
+
+    # -- a question -----------------------------------------------------------------------
+    def prepare(self, model: Any, settings: VLLMSettings) -> None:
+        """Start the engine before the retrieval libraries load (vLLM 0.32 scans them at start)."""
+        from .engine import shared_engine
+
+        shared_engine(model.path, settings)
+
+    def expert_rows(self, generator: Any, candidates: list, question: str, sampling: Any, rule: Any,
+                    max_joins: int = 0) -> Any:
+        from .engine import EngineRows, shared_engine
+
+        return EngineRows(shared_engine(generator.llm.path, generator.settings), generator.builder, candidates,
+                          question, rule, sampling)
+
+    def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
+        from .engine import TapeScoring
+
+        return TapeScoring(rows.decisions, candidates, rule)
+
+    # -- serving --------------------------------------------------------------------------
+    def warm_up(self, store: Any, settings: VLLMSettings) -> dict:
+        """Start the engine and prefill every stored document into its prefix cache."""
+        from .engine import shared_engine
+
+        generator = store.generator_for(self, settings)
+        engine = shared_engine(generator.llm.path, settings)
+        tokens = engine.warm_up(generator.builder, [d.render() for d in store.documents])
+        return {"engine_start_s": engine.start_s, "warm_up_tokens": tokens, "warm_up_s": engine.warm_up_s,
+                "message": f"vLLM engine started in {engine.start_s:.1f} s; {len(store.documents)} documents "
+                           f"({tokens} tokens) prefilled into its prefix cache in {engine.warm_up_s:.1f} s"}
+
+    def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
+        """The engine started and every document prefilled into its prefix cache, as ``warm_up`` does."""
+        from .engine import shared_engine
+
+        engine = shared_engine(generator.llm.path, generator.settings)
+        engine.warm_up(generator.builder, documents)
+        return {"engine_start_s": engine.start_s, "warm_up_s": engine.warm_up_s}
+
+    def health(self, generator: Any) -> dict:
+        from .engine import running_engine
+
+        engine = running_engine(generator.llm.path, generator.settings)  # never started by a health check
+        return {} if engine is None else dict(engine.counters)

@@ -1,0 +1,76 @@
+"""``VLLMSettings``: how pced starts a vLLM engine (the vLLM backend's settings, its flags' defaults)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+from ...errors import UserError
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How pced starts a vLLM engine (``--backend vllm``): options passed through to ``vllm.LLM``.
+    A field left None takes its platform's value from ``PLATFORM`` (``for_platform``)."""
+
+    dtype: str | None = None  # CPU: float32 (token for token like the transformers backend); CUDA: the model's own
+    gpu_memory_utilization: float | None = None  # share of GPU memory for weights + KV cache (CPU build: RAM for the KV)
+    max_num_seqs: int = 256  # requests (rows: a question is N+1 of them) scheduled at once
+    max_model_len: int | None = None  # CPU: the model's window; CUDA: at most PLATFORM's cap (it bounds the prefill budget)
+    tensor_parallel_size: int = 1  # more is refused: see __post_init__
+    block_size: int | None = 32  # small blocks: a document's KV is cached up to its last 31 tokens (CPU: a multiple of 32)
+    max_num_batched_tokens: int | None = None  # None: vLLM's default on a CPU, max_model_len on CUDA
+    # Off: a prompt prefilled in chunks hands the logits processor rows that are not next-token
+    # logits yet, indistinguishable from real ones; whole prefills keep every row meaningful.
+    enable_chunked_prefill: bool = False
+    enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
+    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading)
+
+    # The platform values of the fields left None. CUDA: bf16/fp16 weights (an 8B model is 16 GB, not
+    # 32), 0.85 of the GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
+    # on the window, which bounds the prefill budget (whole prefills need max_num_batched_tokens >=
+    # max_model_len: vllm/config/scheduler.py:315-327).
+    PLATFORM: ClassVar[dict[str, dict]] = {
+        "cpu": {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True, "max_model_len": None},
+        "cuda": {"dtype": "auto", "gpu_memory_utilization": 0.85, "enforce_eager": False, "max_model_len": 16384},
+    }
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
+            raise UserError("max_num_seqs and tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size > 1:
+            raise UserError("--tensor-parallel-size > 1 is refused: vLLM 0.32 then runs its workers in other processes, "
+                             "where PCED's group decisions are made, and its model-runner output has no field that "
+                             "brings a logits processor's result (who won each token, the betas) back; the trace "
+                             "could not be read. Use one GPU per engine.")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_transfer_config is not None:
+            self.kv_transfer()  # a missing or malformed file is refused before any engine starts
+
+    def for_platform(self, cuda: bool) -> "VLLMSettings":
+        """These settings with every field left None set to its platform's value."""
+        table = self.PLATFORM["cuda" if cuda else "cpu"]
+        return replace(self, **{k: v for k, v in table.items() if getattr(self, k) is None})
+
+    def kv_transfer(self) -> dict:
+        path = Path(self.kv_transfer_config)
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"kv_transfer_config {path}: not a readable JSON file ({exc})") from None
+        if not isinstance(value, dict) or "kv_connector" not in value:
+            raise UserError(f"kv_transfer_config {path}: expected a JSON object with 'kv_connector' "
+                             "(vLLM's KVTransferConfig, e.g. LMCacheConnectorV1)")
+        return value
+
+    def engine_args(self) -> dict:
+        args = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.kv_transfer_config is not None:
+            args["kv_transfer_config"] = self.kv_transfer()
+        return args

@@ -219,6 +219,13 @@ def register_backend(name: str, target: str | type) -> None:
         _LOADED.pop(name, None)
 
 
+def unregister_backend(name: str) -> None:
+    """Remove a backend added by ``register_backend`` (the registry's own lines stay)."""
+    with _LOCK:
+        _EXTRA.pop(name, None)
+        _LOADED.pop(name, None)
+
+
 def _entry_points() -> dict[str, str]:
     from importlib.metadata import entry_points
 
@@ -259,4 +266,4 @@ def all_backends() -> list[Backend]:
 
 
 __all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "REGISTRY", "all_backends", "backend_names",
-           "get_backend", "register_backend"]
+           "get_backend", "register_backend", "unregister_backend"]

@@ -86,7 +86,7 @@ class Rows(Protocol):
 
     def close(self) -> None:
         """Optional: called once the loop ends (finished, stopped early or abandoned), for rows that
-        hold engine resources (the vLLM backend's running requests). Rows that subclass ``Rows``
+        hold engine resources (a serving engine's running requests). Rows that subclass ``Rows``
         inherit this no-op."""
 
 
@@ -244,7 +244,7 @@ class Generation:
         logits = self.rows.prefill()
         generator, history = None, None
         for index in range(self.sampling.max_new_tokens):
-            if isinstance(logits, Decision):  # the backend chose the token itself (vLLM)
+            if isinstance(logits, Decision):  # the backend chose the token itself (inside its engine)
                 token, winner = logits
                 support = self.scoring.support(token)
             else:

@@ -27,7 +27,7 @@ class Generator:
     """One backend + its model + one template + one cache store; answers questions over given candidates.
 
     ``llm`` None loads the backend's default (the embedded model); ``backend`` None is the model's own
-    (a GGUF ``LlamaModel`` says llamacpp) or the default one. ``kv_dir`` is the cache store's
+    (``llm.backend``, where a model names one) or the default one. ``kv_dir`` is the cache store's
     directory (None: the backend's request-cache folder for this model under the cache root).
     ``budget_bytes``/``on_demand``/``recorded_model_path``: see ``pced.kv.store.KVStore``.
     """

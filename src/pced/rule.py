@@ -2,7 +2,7 @@
 
 The rule does not know where logits come from: it takes the amateur's scores ``s0 [V]``, the
 contextual experts' scores ``s [N, V]`` and their relevances ``r [N]``, and returns one token
-and the expert that won it. Any engine (transformers here; llama.cpp or vLLM later) can drive it.
+and the expert that won it. Any engine (every backend, ``pced.backend``) drives it.
 
 Per step, for every contextual expert k (after the optional log-softmax of ``score_space``)::
 

@@ -3,8 +3,8 @@ in one run, one question at a time.
 
 On the bench's secret-code documents (``bench.run.secret_code_documents``) at the first
 ``--doc-tokens``, for each k of ``--ks``: time to first token (document caches read from their
-files in each backend's own kind: the transformers KV tensors, llama.cpp's sequence states; a
-backend that reads another's caches, vLLM, gets them as its ``Backend.bench_prepare`` says),
+files, each backend's of its own kind; a backend that reads another's caches gets them as its
+``Backend.bench_prepare`` says),
 decode milliseconds per step and the step's memory-bandwidth floor (the weights as the backend
 holds them plus every row's keys and values, over the measured copy bandwidth), medians of
 ``--repeats``; and the stored bytes per document token of each backend's caches.
@@ -41,8 +41,8 @@ TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
 def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple], model: str | None = None) -> dict:
     """Time each (backend, settings) of ``entries`` in turn at every k. ``llm`` is the torch model the
     documents and question are made with, and the model of every backend that loads models the same
-    way (``Backend.model_key``); the others load ``model`` (None: the embedded one), e.g. a GGUF on
-    llama.cpp, which is then timed alone (``entries`` that one backend)."""
+    way (``Backend.model_key``); the others load ``model`` (None: the embedded one), e.g. a file of
+    another kind, which is then timed alone (``entries`` that one backend)."""
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
     doc_tokens = cfg.doc_tokens[0]

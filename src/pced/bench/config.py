@@ -21,7 +21,7 @@ class BenchConfig:
     memory: bool = True  # peak resident memory of each method, each in a fresh process
     cold: bool = True  # also measure PCED with the cache files evicted from the page cache
     resident: bool = True  # also measure PCED with every cache kept on the model's device (pced.kv.tiers)
-    concurrency: tuple[int, ...] = (1, 4, 16)  # --backend vllm: questions answered at once
+    concurrency: tuple[int, ...] = (1, 4, 16)  # a --backend whose engine batches questions: questions at once
     out: str = "runs/bench"
     seed: int = 42
     extra: dict = field(default_factory=dict)

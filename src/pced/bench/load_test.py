@@ -7,7 +7,7 @@ saves median / p95 latency to runs/load_test/results.{json,md} (one section per 
 requests/s ratio to the first backend when several are given).
 
     python -m pced.bench.load_test                      # demo store, 20 clients x 5 questions
-    python -m pced.bench.load_test --backend transformers --backend vllm   # both servers, one after the other
+    python -m pced.bench.load_test --backend A --backend B   # two backends' servers, one after the other
     python -m pced.bench.load_test --store DIR --model PATH
     python -m pced.bench.load_test --url http://127.0.0.1:8000 --api-key KEY
 """
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from ..backend import DEFAULT_BACKEND, backend_names
 
 FALLBACK_QUESTIONS = [
     "What is this collection of documents about?",
@@ -233,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/load_test")
     parser.add_argument("--threads", type=int, default=None,
                         help="--threads for the servers started here (default: pced's own, half the cores)")
-    parser.add_argument("--backend", action="append", choices=["transformers", "vllm"], default=None,
-                        help="server backend to load-test (repeatable; default transformers); ignored with --url")
+    parser.add_argument("--backend", action="append", choices=backend_names(), default=None,
+                        help=f"server backend to load-test (repeatable; default {DEFAULT_BACKEND}); ignored with --url")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    backends = args.backend or ["transformers"]
+    backends = args.backend or [DEFAULT_BACKEND]
     if args.url is None:
         if args.store is None:
             from pced import __version__

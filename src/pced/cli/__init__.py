@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_terminate() -> None:
+    """SIGTERM (``kill``, ``timeout``, a service manager) stops a command the way Ctrl-C does, so
+    that its clean-ups run: an index run stopped while it builds a generation leaves no staging
+    folder or temporary file behind (``pced serve``'s uvicorn installs its own handler)."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..errors import DataError, PcedError, UserError
 
@@ -73,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     force_offline()
+    stop_on_terminate()
     try:
         configure_threads(args.threads)
         return args.func(args)

@@ -130,9 +130,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"pced: bench: {other.name} skipped ({exc})")
             entries.remove((other, other_settings))
     if backend.capabilities.concurrent_questions:
-        from ..bench.vllm import run_vllm_bench
+        from ..bench.concurrency import run_concurrency_bench
 
-        run_vllm_bench(llm, config, backend, settings)
+        run_concurrency_bench(llm, config, backend, settings)
         print(open(f"{args.out}/bench_{backend.name}.md").read())
         print(f"pced: wrote {args.out}/bench_{backend.name}.json, .md and .png")
         if not beside:

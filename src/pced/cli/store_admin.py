@@ -120,7 +120,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"bytes: text {human_bytes(b['text'])}, retrieval {human_bytes(b['retrieval'])}, caches {human_bytes(b['caches'])}, "
           f"total {human_bytes(b['total'])}")
     for key, budget in stats.items():
-        if key.endswith("_budget"):  # kv/, and llama.cpp's states beside it
+        if key.endswith("_budget"):  # each backend's cache directory has a budget of its own
             print(f"{key.removesuffix('_budget').replace('_', ' ')} budget: " + ", ".join(f"{k} {v}" for k, v in budget.items()))
     return 0
 

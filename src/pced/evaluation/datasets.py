@@ -211,6 +211,25 @@ def _take(rows: list[Any], limit: int | None) -> list[Any]:
 # --------------------------------------------------------------------------- HotpotQA
 
 
+KIND_NAMES = {str: "a string", list: "a list", dict: "an object", int: "an integer"}
+
+
+def check_fields(where: str, record: object, kinds: dict[str, type]) -> None:
+    """One line naming the record and the field when a record lacks a field or holds the wrong kind
+    of value (a question that is a number, an answer that is null): refused before any store is
+    built, never a traceback halfway through a run."""
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected an object, found {type(record).__name__}")
+    for name, kind in kinds.items():
+        if name not in record:
+            raise DatasetError(f"{where}: no field {name!r}")
+        value = record[name]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and name == "question" and not value.strip()):
+            shown = "an empty string" if value == "" else f"{value!r:.40}"
+            raise DatasetError(f"{where}: field {name!r} must be {'a non-empty string' if name == 'question' else KIND_NAMES[kind]}, "
+                               f"got {shown}")
+
+
 def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None = None) -> Dataset:
     """HotpotQA (distractor split format). A paragraph's text is its sentences joined as
     given (they carry their own leading spaces); its id is its title."""
@@ -223,14 +242,22 @@ def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None 
             table = read_json(corpus_path)
             corpus = [Document(id=t, text="".join(s).strip(), title=t) for t, s in table.items()]
     with expected_shape(path, "HotpotQA"):
-        examples = _hotpotqa_examples(rows, setting, limit)
+        examples = _hotpotqa_examples(rows, setting, limit, path)
     return Dataset(name="hotpotqa", task="rag", metric="subspan_em", examples=examples,
                    corpus=corpus, setting=setting)
 
 
-def _hotpotqa_examples(rows: list, setting: str, limit: int | None) -> list[Example]:
+def _hotpotqa_examples(rows: list, setting: str, limit: int | None, path: Path | str = "HotpotQA") -> list[Example]:
+    if not isinstance(rows, list):
+        raise DatasetError(f"{path}: not a HotpotQA file: expected a JSON array of questions, found {type(rows).__name__}")
     examples = []
-    for row in _take(rows, limit):
+    for number, row in enumerate(_take(rows, limit)):
+        where = f"{path}: question {number}"
+        check_fields(where, row, {"_id": str, "question": str, "answer": str, "context": list, "supporting_facts": list})
+        for i, paragraph in enumerate(row["context"]):
+            if not (isinstance(paragraph, list) and len(paragraph) == 2 and isinstance(paragraph[0], str)
+                    and isinstance(paragraph[1], list) and all(isinstance(x, str) for x in paragraph[1])):
+                raise DatasetError(f"{where}: context[{i}] must be [title, [sentence, ...]], got {paragraph!r:.60}")
         gold = list(dict.fromkeys(title for title, _ in row["supporting_facts"]))
         documents = [] if setting == "corpus" else [
             Document(id=title, text="".join(sentences).strip(), title=title)
@@ -260,14 +287,20 @@ def load_musique(root: Path, *, setting: str = "distractor", limit: int | None =
             corpus = [Document(id=content_doc_id(p["title"], p["text"]), text=p["text"],
                                title=p["title"]) for p in read_json(corpus_path)]
     with expected_shape(path, "MuSiQue"):
-        examples = _musique_examples(rows, setting, limit)
+        examples = _musique_examples(rows, setting, limit, path)
     return Dataset(name="musique", task="rag", metric="subspan_em", examples=examples,
                    corpus=corpus, setting=setting)
 
 
-def _musique_examples(rows: list, setting: str, limit: int | None) -> list[Example]:
+def _musique_examples(rows: list, setting: str, limit: int | None, path: Path | str = "MuSiQue") -> list[Example]:
+    if not isinstance(rows, list):
+        raise DatasetError(f"{path}: not a MuSiQue file: expected a JSON array of questions, found {type(rows).__name__}")
     examples = []
-    for row in _take(rows, limit):
+    for number, row in enumerate(_take(rows, limit)):
+        where = f"{path}: question {number}"
+        check_fields(where, row, {"id": str, "question": str, "answer": str, "paragraphs": list})
+        for i, paragraph in enumerate(row["paragraphs"]):
+            check_fields(f"{where}: paragraphs[{i}]", paragraph, {"title": str, "paragraph_text": str})
         paragraphs = [Document(id=content_doc_id(p["title"], p["paragraph_text"]),
                                text=p["paragraph_text"], title=p["title"])
                       for p in row["paragraphs"]]

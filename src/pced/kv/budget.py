@@ -118,8 +118,8 @@ class ByteBudget:
 
 
 class CacheUse:
-    """How a directory of content-addressed caches is used, shared by ``KVStore`` (transformers
-    caches) and llama.cpp's ``StateStore``: which documents to encode, the budget's hits, misses and
+    """How a directory of content-addressed caches is used, shared by ``KVStore`` and every other
+    backend's cache store (``pced.backend``): which documents to encode, the budget's hits, misses and
     evictions when the directory is on demand, and the recent documents' texts, so that a cache
     evicted between ``add`` and its load is encoded again instead of failing."""
 

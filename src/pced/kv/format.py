@@ -31,7 +31,7 @@ def content_hash(context_text: str) -> str:
     return hashlib.sha256(context_text.encode("utf-8")).hexdigest()
 
 
-# U8: a llama.cpp sequence state, stored as its bytes (pced.backends.llamacpp.states)
+# U8: a backend's cache kept as opaque bytes (a sequence state of an engine that serializes its own)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
 _NUMPY_CARRIER = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "U8": np.uint8}
 

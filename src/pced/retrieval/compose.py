@@ -7,6 +7,7 @@ retrievers (hybrid = its sparse + dense modes); otherwise it holds ``sparse`` (B
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,19 +51,31 @@ def open_retriever(base: Path, name: str, bge_m3: str | None, opened: dict[str, 
 
 
 def build_indexes(target: Path, documents: Sequence[Document], bge_m3: str | None, dense_model: str | None,
-                  previous: tuple[BaseRetriever, Sequence[Document]] | None = None) -> None:
+                  previous: tuple[BaseRetriever, Sequence[Document]] | None = None, progress: bool = False) -> None:
     """Build every index of a store into ``target`` (a staging folder). ``previous`` (the old store's
-    dense retriever and its documents) lets unchanged documents keep their embeddings."""
+    dense retriever and its documents) lets unchanged documents keep their embeddings. ``progress``:
+    each phase named on stderr, with a bar where the library reports one."""
+
+    def phase(text: str) -> None:
+        if progress:
+            print(f"pced: retrieval indexes: {text}", file=sys.stderr, flush=True)
+
     if bge_m3:
         from pced.retrieval.m3_index import BGEM3Retriever
 
+        phase(f"BGE-M3 dense, sparse and ColBERT vectors of {len(documents)} documents ...")
         BGEM3Retriever(bge_m3, modes=("dense", "sparse", "colbert")).index(documents).save(target / "m3")
         return
     from pced.retrieval.dense import DenseRetriever
     from pced.retrieval.sparse import BM25Retriever
 
-    BM25Retriever().index(documents).save(target / "sparse")
+    phase(f"BM25 over {len(documents)} documents ...")
+    sparse = BM25Retriever()
+    sparse.progress = progress
+    sparse.index(documents).save(target / "sparse")
     dense = DenseRetriever(dense_model)
+    dense.progress = progress
+    phase("loading the dense retriever's model ...")
     dense.index_reusing(documents, *(previous or (None, ())))
     dense.save(target / "dense")
 

@@ -59,6 +59,7 @@ class DenseRetriever(BaseRetriever):
         self.query_prompt, self.document_prompt = query_prompt, document_prompt
         self.embeddings: np.ndarray | None = None
         self._model: Any = None
+        self.progress = False  # a bar while documents are embedded
 
     @property
     def model(self) -> Any:
@@ -69,15 +70,26 @@ class DenseRetriever(BaseRetriever):
                                               device=self.device, local_files_only=True)
         return self._model
 
-    def encode(self, texts: Sequence[str], prompt: str = "") -> np.ndarray:
-        """Normalised float32 embeddings ``[len(texts), dim]``."""
-        vectors = self.model.encode([prompt + t for t in texts], batch_size=self.batch_size,
-                                    normalize_embeddings=True, convert_to_numpy=True,
-                                    show_progress_bar=False)
-        return np.asarray(vectors, dtype=np.float32)
+    def encode(self, texts: Sequence[str], prompt: str = "", progress: bool = False) -> np.ndarray:
+        """Normalised float32 embeddings ``[len(texts), dim]`` (``progress``: a bar, a step per batch)."""
+        from tqdm.auto import tqdm
+
+        texts = [prompt + t for t in texts]
+        parts = []
+        with tqdm(total=len(texts), desc="retrieval indexes: embedding documents", unit="doc",
+                  disable=not progress) as bar:
+            for start in range(0, len(texts), 16 * self.batch_size):
+                batch = texts[start : start + 16 * self.batch_size]
+                parts.append(np.asarray(self.model.encode(batch, batch_size=self.batch_size, normalize_embeddings=True,
+                                                          convert_to_numpy=True, show_progress_bar=False),
+                                        dtype=np.float32))
+                bar.update(len(batch))
+        if not parts:  # no texts: whatever empty shape the model gives
+            return np.asarray(self.model.encode([], normalize_embeddings=True, convert_to_numpy=True), dtype=np.float32)
+        return np.concatenate(parts)
 
     def _index_texts(self, texts: list[str]) -> None:
-        self.embeddings = self.encode(texts, self.document_prompt)
+        self.embeddings = self.encode(texts, self.document_prompt, self.progress)
 
     def index_reusing(self, documents: Sequence[Document], previous: DenseRetriever | None,
                       previous_documents: Sequence[Document] = ()) -> DenseRetriever:
@@ -90,7 +102,8 @@ class DenseRetriever(BaseRetriever):
             for row, doc_id in enumerate(previous.doc_ids):
                 reuse[doc_id] = (old_docs.get(doc_id), row)
         fresh = [d for d in documents if d.id not in reuse or reuse[d.id][0] != d]
-        vectors = dict(zip([d.id for d in fresh], self.encode([d.render() for d in fresh], self.document_prompt))) if fresh else {}
+        vectors = dict(zip([d.id for d in fresh], self.encode([d.render() for d in fresh], self.document_prompt,
+                                                              self.progress))) if fresh else {}
         rows = [vectors[d.id] if d.id in vectors else np.asarray(previous.embeddings[reuse[d.id][1]]) for d in documents]
         self.embeddings = np.stack(rows).astype(np.float32)
         self.doc_ids = [d.id for d in documents]

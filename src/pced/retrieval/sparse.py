@@ -45,6 +45,7 @@ class BM25Retriever(BaseRetriever):
         self.name = name
         self.k1, self.b, self.method, self.stopwords = k1, b, method, stopwords
         self._bm25: Any = None
+        self.progress = False  # bm25s's own bars while indexing (named by bm25s: tokenize, count, score)
 
     def _tokenize(self, texts: list[str], return_ids: bool) -> Any:
         bm25s = _bm25s()
@@ -56,7 +57,8 @@ class BM25Retriever(BaseRetriever):
         bm25s = _bm25s()
 
         bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)
-        bm25.index(self._tokenize(texts, return_ids=True), show_progress=False)
+        tokens = bm25s.tokenize(texts, stopwords=self.stopwords or None, return_ids=True, show_progress=self.progress)
+        bm25.index(tokens, show_progress=self.progress)
         self._bm25 = bm25
 
     def scores_many(self, queries: Sequence[str]) -> np.ndarray:

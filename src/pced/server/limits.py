@@ -29,7 +29,7 @@ class Limits:
     max_stop: int = 4
     max_stop_chars: int = 64
     max_queue: int = 64
-    max_concurrent: int = 32  # questions decoding at once on the vLLM backend (transformers: one)
+    max_concurrent: int = 32  # questions decoding at once on a backend whose engine batches them (others: one)
     request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 A lane per backend: the default backend's, and the served backend's for what it runs
 (``Backend.runs``). A lane decodes one question at a time (one thread: a model and its caches are
 not shared between threads), except a backend whose engine batches questions itself
-(``Capabilities.concurrent_questions``, vLLM): its lane has ``Limits.max_concurrent`` threads that
+(``Capabilities.concurrent_questions``): its lane has ``Limits.max_concurrent`` threads that
 all feed the engine, which batches their rows step by step (continuous batching). Retrieval and prompt building take one lock (the
 retrievers and tokenizers are not made for concurrent calls); decoding does not.
 
@@ -120,10 +120,12 @@ class Worker:
             from ..generator import Generator
             from ..kv.budget import gb_to_bytes
 
-            store = self.store.generator_for(backend, settings)
-            dtype = self.store.settings.storage_dtype
-            root = backend.request_cache_dir(self.request_cache_dir, store.llm, store.template, settings, dtype)
-            self._requests[key] = Generator(store.llm, store.template, root, dtype, self.store.tiers,
+            from ..prompts import TEMPLATES
+
+            llm = self.store.model_for(backend, settings)  # the store's model, never its caches
+            template, dtype = TEMPLATES[self.store.settings.template], self.store.settings.storage_dtype
+            root = backend.request_cache_dir(self.request_cache_dir, llm, template, settings, dtype)
+            self._requests[key] = Generator(llm, template, root, dtype, self.store.tiers,
                                             budget_bytes=gb_to_bytes(self.limits.request_cache_gb), backend=backend,
                                             settings=settings)
         return self._requests[key]

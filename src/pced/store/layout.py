@@ -93,7 +93,8 @@ def write_documents(documents: list[Document], path: Path) -> None:
 
 def read_documents(path: Path, chunked: list[str] = ()) -> list[Document]:
     """The documents of a store; ``chunked`` (the manifest's list) names the owners of chunks
-    written before chunks recorded their source ("id#3")."""
+    written before chunks recorded their source ("id#3"). A line that is not a whole record (a file
+    cut short, edited by hand) is a ``StoreError`` naming the file and the line."""
     chunked = set(chunked)
 
     def source(record: dict) -> str:
@@ -102,8 +103,20 @@ def read_documents(path: Path, chunked: list[str] = ()) -> list[Document]:
         legacy = LEGACY_CHUNK.match(record["id"])
         return legacy.group(1) if legacy and legacy.group(1) in chunked else ""
 
+    documents = []
     with open(path, encoding="utf-8") as handle:
-        return [Document(r["id"], r["text"], r.get("title", ""), source(r)) for r in map(json.loads, handle) if r]
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                documents.append(Document(str(record["id"]), str(record["text"]), str(record.get("title") or ""),
+                                          str(source(record))))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                what = f"missing field {exc}" if isinstance(exc, KeyError) else getattr(exc, "msg", None) or str(exc)
+                raise StoreError(f"{path}:{number}: not a whole document record ({what}): the file is damaged or cut "
+                                 "short; re-run pced index") from None
+    return documents
 
 
 def recover(root: Path) -> None:

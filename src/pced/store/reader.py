@@ -109,11 +109,11 @@ class DocumentStore:
         return fresh
 
     def check_model(self, llm: LoadedModel) -> None:
-        """The model must be the one the store was indexed with; on another backend (a GGUF on
-        llama.cpp beside its dequantized copy on transformers) its tokenizer must be, since the
-        documents were chunked with it, and each backend's cache directory pins its own weights."""
+        """The model must be the one the store was indexed with; one of another backend's kind (a
+        quantized file of the same model beside its torch weights) must have its tokenizer, since
+        the documents were chunked with it, and each backend's cache directory pins its own weights."""
         stored = self.manifest["model"]
-        if getattr(llm, "backend", "transformers") != stored.get("backend", "transformers"):
+        if getattr(llm, "backend", DEFAULT_BACKEND) != stored.get("backend", DEFAULT_BACKEND):
             difference = None if stored["tokenizer_hash"] == llm.tokenizer_hash else "its tokenizer differs"
         else:
             difference = llm.model_difference(stored)
@@ -149,8 +149,7 @@ class DocumentStore:
 
     def generator_for(self, backend=DEFAULT_BACKEND, settings=None, model: str | None = None) -> Generator:
         """The store's generator on ``backend``: its model, the store's template, and its caches in
-        the store (``Backend.cache_dir``: ``kv/`` for transformers, ``llamacpp-<cache type>/`` for
-        llama.cpp, each under the store's budget)."""
+        the store (``Backend.cache_dir``: each backend's folder, under the store's budget)."""
         from ..kv.budget import gb_to_bytes
 
         backend = get_backend(backend)

@@ -47,9 +47,8 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
     wrote. A budget set once is kept by later runs that give none.
 
     ``backend`` (with its ``backend_settings``): whose document caches to encode, into its cache
-    directory (``Backend.cache_dir``: ``kv/`` for transformers, ``llamacpp-<cache type>/`` for
-    llama.cpp); documents and retrieval indexes are shared, so one store may hold caches for
-    several backends."""
+    directory (``Backend.cache_dir``); documents and retrieval indexes are shared, so one store may
+    hold caches for several backends."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
@@ -101,17 +100,18 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         previous.check_model(llm)
     generator.caches.remove_stale_temporaries()
     limit = settings.document_token_limit(llm.max_context)
-    corpus, chunked = chunk_corpus(corpus, lambda text: len(generator.builder.encode(text)), limit)
+    count_tokens = token_counter(generator.builder, [d.render() for d in corpus], progress)
+    corpus, chunked = chunk_corpus(corpus, count_tokens, limit)
     merged, added, updated, replaced = merge_documents(previous.documents if previous else [], corpus)
-    # a backend whose cache size is known only once a document is encoded (llama.cpp's states) has no estimate
-    estimate = backend.cache_estimate(llm, settings.storage_dtype, [len(generator.builder.encode(d.render())) for d in corpus])
+    # a backend whose cache size is known only once a document is encoded has no estimate (Backend.cache_estimate)
+    estimate = backend.cache_estimate(llm, settings.storage_dtype, [count_tokens(d.render()) for d in corpus])
     if progress and estimate is not None:
         print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
     merged = [d for d in merged if d.id not in removed]
     if remove and not merged:
         raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
-    if not settings.on_demand:
+    if not settings.on_demand and not remove:  # removing encodes nothing (a backend's missing caches stay missing)
         generator.caches.add([d.render() for d in merged], progress=progress)
     kv_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -122,7 +122,7 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     with staging_dir(target) as staging:
         (staging / RETRIEVERS_DIR).mkdir()
         reuse = (previous.retriever("dense"), previous.documents) if previous and not settings.bge_m3 else None
-        build_indexes(staging / RETRIEVERS_DIR, merged, settings.bge_m3, settings.dense_model, reuse)
+        build_indexes(staging / RETRIEVERS_DIR, merged, settings.bge_m3, settings.dense_model, reuse, progress=progress)
         write_documents(merged, staging / DOCUMENTS)
         os.replace(staging, target)
     retrieval_s = time.perf_counter() - started
@@ -154,6 +154,25 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
               "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
               "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
     return DocumentStore.open(root, generator=generator), report
+
+
+def token_counter(builder, texts: list[str], progress: bool):
+    """``count_tokens(text)`` for chunking and the size estimate, each text tokenized once: the
+    corpus's texts are counted first, under a progress bar (the first long phase of a large corpus)."""
+    from tqdm.auto import tqdm
+
+    counts: dict[str, int] = {}
+    for text in tqdm(texts, desc="counting document tokens", unit="doc", disable=not progress or len(texts) < 1000,
+                     mininterval=1.0):
+        if text not in counts:
+            counts[text] = len(builder.encode(text))
+
+    def count_tokens(text: str) -> int:
+        if text not in counts:
+            counts[text] = len(builder.encode(text))
+        return counts[text]
+
+    return count_tokens
 
 
 def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -> str:

@@ -1,8 +1,8 @@
 """``TransformersBackend``: the default backend, declared for the registry (``pced.backend``).
 
 Its rows are ``pced.backends.rows.ExpertRows`` over one preallocated batch buffer; its document
-caches are KV tensors in ``STORE/kv/`` (``pced.kv.store.KVStore``), which the vLLM backend reads
-too. Nothing heavy is imported at module level: the registry imports this module to read the
+caches are KV tensors in ``STORE/kv/`` (``pced.kv.store.KVStore``), which a backend without caches
+of its own (``Capabilities.own_caches``) reads too. Nothing heavy is imported at module level: the registry imports this module to read the
 backend's capabilities.
 """
 
@@ -27,7 +27,7 @@ class TransformersBackend(Backend):
         return load_model(model, device=device, dtype=dtype)
 
     def model_key(self, settings: Any) -> tuple:
-        """Models that load the same way share one load in a store (the vLLM backend reads this one's)."""
+        """Models that load the same way share one load in a store (a subclass that loads alike inherits it)."""
         return ("torch",)
 
     # -- document caches ------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""``pced bench --backend B`` for a backend whose engine batches questions (``Capabilities.concurrent_questions``:
-vLLM): PCED on it beside PCED on the default backend, in one run.
+"""``pced bench --backend B`` for a backend whose engine batches questions (``Capabilities.concurrent_questions``):
+PCED on it beside PCED on the default backend, in one run.
 
 On the bench's secret-code documents (``bench.secret_code_documents``), for each k of ``--ks`` at
 the first ``--doc-tokens``:
 
 - **latency**, one question at a time: time to first token and decode time per token, medians of
   ``--repeats``. The default backend reads the documents' KV files; the engine gets them as its
-  ``Backend.bench_prepare`` says (vLLM: its prefix cache, prefilled once before timing).
+  ``Backend.bench_prepare`` says (e.g. an engine's prefix cache, prefilled once before timing).
 - **throughput**, C questions at once for each C of ``--concurrency``: questions/s and tokens/s.
   The engine decodes them together (continuous batching); the default backend answers them one
   after another, as its server lane does. The C questions are the same question over the same documents: with every
@@ -39,7 +39,7 @@ from ..options import AskOptions
 from ..pipeline import ask_candidates
 
 
-def run_vllm_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=None) -> dict:
+def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=None) -> dict:
     """``backend`` (one whose engine batches questions) beside the default backend; ``llm`` the torch
     model both read their prompts and caches with."""
     backend, default = get_backend(backend), get_backend(DEFAULT_BACKEND)

@@ -140,7 +140,7 @@ WRITTEN_ONCE = [
     ("top_k", 8, ("top_k", "top-k"), {("options.py", "AskOptions")}),
     ("top_n", 90, ("top_n", "top-n"), {("options.py", "AskOptions")}),
     ("retriever", "hybrid", ("retriever",), {("options.py", "AskOptions")}),
-    ("the paper's gamma", 2.5, ("gamma", "paper"), {("rule.py", "RuleConfig")}),
+    ("the paper's gamma", 2.5, ("gamma", "paper"), {("rule_config.py", "RuleConfig")}),
     ("SmolLM2's gamma", 32, ("gamma", "smollm2"), {("options.py", "MODEL_FAMILY_RULES")}),
     ("max_new_tokens", 32, ("max_new_tokens", "max-new-tokens", "max_tokens", "max-tokens"),
      {("sampling.py", "SamplingConfig")}),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .backend import DEFAULT_BACKEND, get_backend
 from .errors import UserError
-from .rule import Beta, RuleConfig
+from .rule_config import Beta, RuleConfig
 from .sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
 
 EMBEDDED = "embedded"  # the --model setting (and store setting) of the embedded default model

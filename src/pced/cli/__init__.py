@@ -82,14 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import DataError, PcedError, UserError
 
     from .terminal import printable
-    from .threads import configure_threads
+    from .threads import check_threads, configure_threads
 
     parser = build_parser()
     args = parser.parse_args(argv)
     force_offline()
     stop_on_terminate()
     try:
-        configure_threads(args.threads)
+        threads = check_threads(args.threads)
+        if not getattr(args, "metadata_only", False):  # reading a store's files needs no torch
+            configure_threads(threads)
         return args.func(args)
     except (UserError, DataError) as exc:  # bad input, or stored data that is damaged: one line
         print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)

@@ -7,10 +7,10 @@ import argparse
 
 from ..errors import UserError
 from ..sampling import SamplingConfig
-from ..kv.tiers import CacheTiers
+from ..kv.tier_settings import CacheTiers
 from ..backend import get_backend
 from ..options import METHODS, PAPER_RULE, RETRIEVERS, AskOptions, family_defaults
-from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
+from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
 TIERS = CacheTiers()

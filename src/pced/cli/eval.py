@@ -119,7 +119,7 @@ def config_from(args: argparse.Namespace):
     """EvalConfig from the command line; every value checked, nothing loaded."""
     from ..evaluation.config import EvalConfig
     from ..options import METHODS
-    from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+    from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 
     if args.setting not in (None, "distractor", "corpus"):
         raise InputError(f"--setting: {args.setting!r} is not one of distractor, corpus")

@@ -77,7 +77,7 @@ def add_verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="check every stored cache of a store, of every backend (checksums, shapes, "
                                       "finiteness), and its retrieval index files")
     add_verify_arguments(p)
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=cmd_verify, metadata_only=True)
 
 
 def add_verify_arguments(p) -> None:

@@ -30,12 +30,18 @@ def default_threads() -> int:
     return max(1, available_cores() // 2)
 
 
+def check_threads(threads: int | None) -> int:
+    """``--threads`` checked (None: ``default_threads()``)."""
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise UserError(f"--threads must be at least 1, got {threads}")
+    return threads
+
+
 def configure_threads(threads: int | None) -> int:
     """Set torch's intra-op threads (None: ``default_threads()``); returns the number set."""
     import torch
 
-    threads = default_threads() if threads is None else threads
-    if threads < 1:
-        raise UserError(f"--threads must be at least 1, got {threads}")
+    threads = check_threads(threads)
     torch.set_num_threads(threads)
     return threads

@@ -222,7 +222,7 @@ def check_fields(where: str, record: object, kinds: dict[str, type]) -> None:
         raise DatasetError(f"{where}: expected an object, found {type(record).__name__}")
     for name, kind in kinds.items():
         if name not in record:
-            raise DatasetError(f"{where}: no field {name!r}")
+            raise KeyError(name)  # expected_shape: "a record has no field ..."
         value = record[name]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and name == "question" and not value.strip()):
             shown = "an empty string" if value == "" else f"{value!r:.40}"

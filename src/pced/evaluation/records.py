@@ -58,6 +58,8 @@ def expected_shape(path: Path, dataset: str):
     line that names the file, not a KeyError from deep inside a loader."""
     try:
         yield
+    except DatasetError:  # already one line naming the file and the record
+        raise
     except KeyError as exc:
         raise DatasetError(f"{path}: not a {dataset} file: a record has no field {exc.args[0]!r}") from None
     except (TypeError, AttributeError, IndexError, ValueError) as exc:

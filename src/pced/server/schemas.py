@@ -20,7 +20,7 @@ from ..sampling import MIN_TOP_P, TEMPERATURE, SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
-from ..rule import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 from .limits import Limits
 
 SAMPLING = SamplingConfig()

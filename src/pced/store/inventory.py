@@ -81,15 +81,18 @@ class CacheState:
 
 @dataclass
 class Inventory:
-    """One store's documents and caches; ``builder`` (a ``PromptBuilder``) names each cache file."""
+    """One store's documents and caches. Each document's cache files are named by the content hash
+    documents.jsonl records; for a store written before those records, ``builder`` (a
+    ``PromptBuilder``; None: the store's, from its tokenizer alone, loaded when first needed) names them."""
 
     root: Path
     manifest: dict
     documents: list[Document]
-    builder: object
+    builder: object = None
     _caches: dict[str, CacheState] = field(default_factory=dict)
-
     directories: list | None = None  # (backend, cache directory); None: every backend's in the store
+    records: dict = field(default_factory=dict)  # id -> (content hash, tokens), as the store recorded them
+    store: object = None
 
     def __post_init__(self) -> None:
         if self.directories is None:
@@ -97,21 +100,26 @@ class Inventory:
 
     @classmethod
     def open(cls, store) -> "Inventory":
-        """From a ``DocumentStore``: its tokenizer and template only (no model weights)."""
-        return cls(store.root, store.manifest, store.documents, prompt_builder(store))
+        """From a ``DocumentStore``: its records, else its tokenizer and template (never model weights)."""
+        return cls(store.root, store.manifest, store.documents, records=store.cache_records, store=store)
 
     def groups(self) -> dict[str, list[Document]]:
         return group_documents(self.documents)
 
     def cache(self, document: Document) -> CacheState:
         if document.id not in self._caches:
-            from ..kv.format import content_hash
+            if document.id in self.records:
+                digest, tokens = self.records[document.id]
+            else:  # written before the records: the prompt builder names it
+                from ..kv.format import content_hash
 
-            context = self.builder.context_text([document.render()])
-            digest = content_hash(context)
+                if self.builder is None:
+                    self.builder = prompt_builder(self.store)
+                context = self.builder.context_text([document.render()])
+                digest, tokens = content_hash(context), len(self.builder.encode(context))
             paths = [backend.cache_files(directory) / digest[:2] / f"{digest}.safetensors"
                      for backend, directory in self.directories]
-            self._caches[document.id] = CacheState(digest, paths, len(self.builder.encode(context)))
+            self._caches[document.id] = CacheState(digest, paths, tokens)
         return self._caches[document.id]
 
     def row(self, owner: str, parts: list[Document]) -> dict:

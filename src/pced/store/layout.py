@@ -84,17 +84,24 @@ def legacy_chunked(manifest: dict) -> list[str]:
     return [] if generation(manifest) else list(manifest.get("chunked", []))
 
 
-def write_documents(documents: list[Document], path: Path) -> None:
+def write_documents(documents: list[Document], path: Path, caches: dict[str, tuple[str, int]] | None = None) -> None:
+    """documents.jsonl; ``caches`` (id -> (content hash, tokens)) records what names each document's
+    cache files and how many tokens they hold, so that the store's metadata commands read them
+    without a tokenizer."""
+    caches = caches or {}
+
     def record(d: Document) -> dict:
-        return {"id": d.id, "title": d.title, "text": d.text, **({"source": d.source} if d.source else {})}
+        cache = {"cache": caches[d.id][0], "tokens": caches[d.id][1]} if d.id in caches else {}
+        return {"id": d.id, "title": d.title, "text": d.text, **({"source": d.source} if d.source else {}), **cache}
 
     atomic_write_lines(path, (json.dumps(record(d), ensure_ascii=False) + "\n" for d in documents))
 
 
-def read_documents(path: Path, chunked: list[str] = ()) -> list[Document]:
+def read_documents(path: Path, chunked: list[str] = (), caches: dict | None = None) -> list[Document]:
     """The documents of a store; ``chunked`` (the manifest's list) names the owners of chunks
-    written before chunks recorded their source ("id#3"). A line that is not a whole record (a file
-    cut short, edited by hand) is a ``StoreError`` naming the file and the line."""
+    written before chunks recorded their source ("id#3"); ``caches``, when given, is filled with the
+    recorded (content hash, tokens) of each document that has them. A line that is not a whole
+    record (a file cut short, edited by hand) is a ``StoreError`` naming the file and the line."""
     chunked = set(chunked)
 
     def source(record: dict) -> str:
@@ -112,6 +119,8 @@ def read_documents(path: Path, chunked: list[str] = ()) -> list[Document]:
                 record = json.loads(line)
                 documents.append(Document(str(record["id"]), str(record["text"]), str(record.get("title") or ""),
                                           str(source(record))))
+                if caches is not None and "cache" in record:
+                    caches[documents[-1].id] = (str(record["cache"]), int(record["tokens"]))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 what = f"missing field {exc}" if isinstance(exc, KeyError) else getattr(exc, "msg", None) or str(exc)
                 raise StoreError(f"{path}:{number}: not a whole document record ({what}): the file is damaged or cut "

@@ -12,27 +12,33 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..backend import DEFAULT_BACKEND, get_backend
 from ..documents import Candidate, Document
 from ..errors import UserError
-from ..generator import Generator
-from ..kv.tiers import CacheTiers
-from ..llm import LoadedModel, load_model
-from ..backend import DEFAULT_BACKEND, get_backend
+from ..kv.tier_settings import CacheTiers
 from ..options import AskOptions
 from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation, legacy_chunked,
                      read_documents, recover, state_dir)
+from .manifest import check_manifest
+
+if TYPE_CHECKING:  # the model stack loads when a question is asked, not when a store is opened
+    from ..generator import Generator
+    from ..llm import LoadedModel
 
 OPEN_ATTEMPTS = 3  # an index run published (and swept) two generations while this reader was opening one
-from .manifest import check_manifest
 
 
 class DocumentStore:
     """Open with ``DocumentStore.open(dir)``; build or extend with ``pced.store.index_store``."""
 
     def __init__(self, root: Path, manifest: dict, documents: list[Document], llm: LoadedModel | None = None,
-                 generator: Generator | None = None, tiers: CacheTiers = CacheTiers()):
+                 generator: Generator | None = None, tiers: CacheTiers = CacheTiers(),
+                 cache_records: dict[str, tuple[str, int]] | None = None):
         self.root, self.manifest, self.documents, self.tiers = root, manifest, documents, tiers
+        # id -> (the content hash naming its cache files, tokens they hold), as documents.jsonl records them
+        self.cache_records = cache_records if cache_records is not None else {}
         self.settings = IndexSettings(**manifest["settings"])
         self.state = state_dir(root, manifest)  # this generation's documents.jsonl and retrievers/
         self.generation = generation(manifest)
@@ -67,7 +73,8 @@ class DocumentStore:
                 if not generation(manifest):
                     recover(root)  # a store written before generations: undo a killed run's half swap
                 state = state_dir(root, manifest)
-                documents = read_documents(state / DOCUMENTS, legacy_chunked(manifest))
+                records: dict = {}
+                documents = read_documents(state / DOCUMENTS, legacy_chunked(manifest), records)
                 ids = [d.id for d in documents]
                 settings = IndexSettings(**manifest["settings"])
                 mismatched = [name for name in index_dirs(settings.bge_m3)
@@ -84,7 +91,7 @@ class DocumentStore:
         if mismatched:
             raise StoreError(f"{root}: the {mismatched[0]} index does not match documents.jsonl (an interrupted pced index?); "
                              "re-run it")
-        store = cls(root, manifest, documents, llm, generator, tiers)
+        store = cls(root, manifest, documents, llm, generator, tiers, records)
         for model in store._models.values():
             store.check_model(model)
         return store
@@ -150,6 +157,7 @@ class DocumentStore:
     def generator_for(self, backend=DEFAULT_BACKEND, settings=None, model: str | None = None) -> Generator:
         """The store's generator on ``backend``: its model, the store's template, and its caches in
         the store (``Backend.cache_dir``: each backend's folder, under the store's budget)."""
+        from ..generator import Generator
         from ..kv.budget import gb_to_bytes
 
         backend = get_backend(backend)

@@ -17,19 +17,21 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..backend import DEFAULT_BACKEND, get_backend
 from ..corpus import CHUNK_ID, chunk_corpus
 from ..documents import Document
-from ..generator import Generator
 from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes
-from ..llm import LoadedModel
 from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
                      legacy_chunked, read_documents, recover, state_dir, write_documents)
 from .lock import LOCK_FILE, writer_lock
 from .reader import DocumentStore
+
+if TYPE_CHECKING:
+    from ..llm import LoadedModel
 
 LARGE_CORPUS_BYTES = 2 * GB  # above this estimate of the caches' size, pced index suggests on-demand encoding
 
@@ -68,29 +70,48 @@ def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedMod
     if not (root / MANIFEST).is_file():
         raise StoreError(f"{root} is not a pced store (no manifest.json)")
     with writer_lock(root):
-        settings = IndexSettings(**json.loads((root / MANIFEST).read_text())["settings"])
-        # encode_kv: nothing is added; a store's on-demand setting stays as its manifest says
-        backend = get_backend(DEFAULT_BACKEND)
-        return _index_locked([], root, settings, llm, False, True, backend, backend.settings(), remove=list(doc_ids))
+        return _remove_locked(root, list(doc_ids), llm)
+
+
+def _remove_locked(root: Path, remove: list[str], llm) -> tuple[DocumentStore, dict]:
+    """No model is loaded: the documents' records name their cache files in every backend's folder
+    (a store written before the records needs its tokenizer for that, still no weights); the dense
+    index keeps the other documents' vectors."""
+    previous = DocumentStore.open(root)
+    removed = _removed_ids(previous, remove)  # unknown ids and chunk ids fail before any change
+    merged = [d for d in previous.documents if d.id not in removed]
+    if not merged:
+        raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
+    _sweep_stale(root, previous)
+    records = dict(previous.cache_records)
+    unrecorded = [d for d in previous.documents if d.id not in records]
+    if unrecorded:
+        from .inventory import prompt_builder
+
+        records.update(cache_records(prompt_builder(previous), unrecorded, {}, {}))
+    number, retrieval_s, swept = _publish(root, previous, merged, previous.settings, previous.manifest["model"],
+                                          previous.manifest.get("template_hash"), records, False,
+                                          previous.manifest.get("kv_bytes_per_token"))
+    orphans = remove_unreferenced(root, {records[d.id][0] for d in merged})
+    report = {"documents": len(merged), "added": 0, "updated": 0, "chunked": [], "chunks_replaced": 0,
+              "generation": number, "generations_swept": swept, "kv_encoded": 0, "kv_s": 0.0,
+              "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": 0, "estimate": None,
+              "on_demand": previous.settings.on_demand, "removed": sorted(removed)}
+    return DocumentStore.open(root, llm), report
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool, backend, backend_settings,
-                  remove: list[str] = ()) -> tuple[DocumentStore, dict]:
-    from ..retrieval.compose import build_indexes, describe_indexes
+                  progress: bool, encode_kv: bool, backend, backend_settings) -> tuple[DocumentStore, dict]:
+    from ..generator import Generator
 
     reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
     if reserved:
         raise StoreError(f"document id {reserved[0]!r} ends in '#chunk-<n>', which pced reserves for chunks; rename it")
     previous = _previous(root, settings)
-    removed = _removed_ids(previous, remove) if remove else set()  # unknown ids fail before any change
     if previous is not None and settings.kv_budget_gb is None:
         settings = replace(settings, kv_budget_gb=previous.settings.kv_budget_gb)
     settings = replace(settings, lazy_kv=settings.lazy_kv or not encode_kv)
-    if previous is None or not previous.generation:
-        recover(root)
-    sweep_temporaries(root)  # a killed run's staging folders and files; this run is the one writer
-    sweep_temporaries(root / GENERATIONS_DIR)
+    _sweep_stale(root, previous)
     llm = llm or backend.load_model(settings.model_path, backend_settings)
     generator = Generator(llm, settings.template, backend.cache_dir(root, backend_settings), settings.storage_dtype,
                           budget_bytes=gb_to_bytes(settings.kv_budget_gb), on_demand=settings.on_demand,
@@ -107,13 +128,59 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
     estimate = backend.cache_estimate(llm, settings.storage_dtype, [count_tokens(d.render()) for d in corpus])
     if progress and estimate is not None:
         print(describe_estimate(estimate, settings, len(corpus)), file=sys.stderr, flush=True)
-    merged = [d for d in merged if d.id not in removed]
-    if remove and not merged:
-        raise StoreError(f"{root}: removing {', '.join(remove)} would leave the store empty; delete the directory instead")
     started = time.perf_counter()
-    if not settings.on_demand and not remove:  # removing encodes nothing (a backend's missing caches stay missing)
+    if not settings.on_demand:
         generator.caches.add([d.render() for d in merged], progress=progress)
     kv_s = time.perf_counter() - started
+    old = {d.id: d for d in previous.documents} if previous else {}
+    records = cache_records(generator.builder, merged, previous.cache_records if previous else {}, old)
+    number, retrieval_s, swept = _publish(root, previous, merged, settings, llm.model_record(), generator.builder.digest(),
+                                          records, progress, estimate["bytes_per_token"] if estimate else None)
+    # caches of documents neither this state nor the previous one holds (a reader may still use the previous)
+    keep = [d.render() for d in merged] + ([d.render() for d in previous.documents] if previous else [])
+    orphans = remove_unreferenced(root, set(generator.caches.digests(keep)))
+    evicted = generator.caches.budget.record(protect=()) if settings.kv_budget_gb is not None else 0
+    report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
+              "chunks_replaced": replaced, "generation": number, "generations_swept": swept,
+              "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
+              "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
+              "estimate": estimate, "on_demand": settings.on_demand, "removed": []}
+    return DocumentStore.open(root, generator=generator), report
+
+
+def _sweep_stale(root: Path, previous: DocumentStore | None) -> None:
+    """What killed runs left: a half swap of a store written before generations, staging folders
+    and temporary files (this run is the one writer)."""
+    if previous is None or not previous.generation:
+        recover(root)
+    sweep_temporaries(root)
+    sweep_temporaries(root / GENERATIONS_DIR)
+
+
+def cache_records(builder, documents: list[Document], known: dict, old: dict) -> dict[str, tuple[str, int]]:
+    """id -> (content hash naming its cache files, tokens they hold) of ``documents``: ``known``
+    (the previous generation's records) for those unchanged since (``old``: id -> its previous
+    document), from ``builder`` for the others."""
+    from ..kv.format import content_hash
+
+    records = {}
+    for d in documents:
+        if d.id in known and old.get(d.id) == d:
+            records[d.id] = known[d.id]
+        else:
+            context = builder.context_text([d.render()])
+            records[d.id] = (content_hash(context), len(builder.encode(context)))
+    return records
+
+
+def _publish(root: Path, previous: DocumentStore | None, merged: list[Document], settings: IndexSettings,
+             model_record: dict, template_hash: str | None, records: dict, progress: bool,
+             kv_bytes_per_token) -> tuple[int, float, int]:
+    """Build the next generation (retrieval indexes, documents.jsonl with the cache records), then
+    publish it by replacing manifest.json, and sweep the generations no reader can use. Returns the
+    generation's number, the seconds its indexes took and how many generations were swept."""
+    from ..retrieval.compose import build_indexes, describe_indexes
+
     started = time.perf_counter()
     number = generation(previous.manifest) + 1 if previous else 1
     target = root / GENERATIONS_DIR / str(number)
@@ -123,37 +190,25 @@ def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, l
         (staging / RETRIEVERS_DIR).mkdir()
         reuse = (previous.retriever("dense"), previous.documents) if previous and not settings.bge_m3 else None
         build_indexes(staging / RETRIEVERS_DIR, merged, settings.bge_m3, settings.dense_model, reuse, progress=progress)
-        write_documents(merged, staging / DOCUMENTS)
+        write_documents(merged, staging / DOCUMENTS, records)
         os.replace(staging, target)
     retrieval_s = time.perf_counter() - started
-    still_chunked = {d.source for d in merged if d.source}
     manifest = {
         "format": FORMAT,
         "generation": number,
         "pced_version": __version__,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": asdict(settings),
-        "model": llm.model_record(),
-        "template_hash": generator.builder.digest(),
+        "model": model_record,
+        "template_hash": template_hash,
         "documents": len(merged),
-        "chunked": sorted(still_chunked),
+        "chunked": sorted({d.source for d in merged if d.source}),
         "retrievers": describe_indexes(target / RETRIEVERS_DIR, settings.bge_m3),
-        "kv_bytes_per_token": estimate["bytes_per_token"] if estimate else None,
+        "kv_bytes_per_token": kv_bytes_per_token,
     }
     atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
     swept = _sweep_generations(root, keep={number, generation(previous.manifest) if previous else number})
-    # caches of documents neither this state nor the previous one holds (a reader may still use the previous)
-    # (documents removed on request go at once: their caches are what the user asked to delete)
-    keep = [d.render() for d in merged] + ([d.render() for d in previous.documents if d.id not in removed]
-                                           if previous else [])
-    orphans = remove_unreferenced(root, set(generator.caches.digests(keep)))
-    evicted = generator.caches.budget.record(protect=()) if settings.kv_budget_gb is not None else 0
-    report = {"documents": len(merged), "added": added, "updated": updated, "chunked": chunked,
-              "chunks_replaced": replaced, "generation": number, "generations_swept": swept,
-              "kv_encoded": 0 if settings.on_demand else generator.caches.last_encoded, "kv_s": kv_s,
-              "retrieval_index_s": retrieval_s, "kv_orphans_removed": orphans, "kv_evicted": evicted,
-              "estimate": estimate, "on_demand": settings.on_demand, "removed": sorted(removed)}
-    return DocumentStore.open(root, generator=generator), report
+    return number, retrieval_s, swept
 
 
 def token_counter(builder, texts: list[str], progress: bool):
@@ -247,7 +302,9 @@ def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
                 f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                 f"{settings.identity()}: use another --out or the same model/retriever settings"
             )
-        return DocumentStore(root, old, read_documents(state_dir(root, old) / DOCUMENTS, legacy_chunked(old)))
+        records: dict = {}
+        documents = read_documents(state_dir(root, old) / DOCUMENTS, legacy_chunked(old), records)
+        return DocumentStore(root, old, documents, cache_records=records)
     if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, GENERATIONS_DIR, LOCK_FILE)
                              and not p.name.startswith(TEMP_PREFIX)):
         raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")

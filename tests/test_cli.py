@@ -43,9 +43,12 @@ def test_every_command_takes_the_global_options():
 def test_threads_before_the_subcommand_configures_torch(tmp_path, capsys):
     before = torch.get_num_threads()
     try:
-        assert main(["--threads", "1", "verify", str(tmp_path / "missing")]) == 2  # threads set, then the store fails
+        assert main(["--threads", "1", "ask", str(tmp_path / "missing"), "Who?"]) == 2  # threads set, then the store fails
         assert torch.get_num_threads() == 1
-        assert main(["--threads", "0", "verify", str(tmp_path)]) == 2
+        torch.set_num_threads(before)
+        assert main(["--threads", "1", "verify", str(tmp_path / "missing")]) == 2
+        assert torch.get_num_threads() == before  # reading a store's files leaves torch alone
+        assert main(["--threads", "0", "verify", str(tmp_path)]) == 2  # still checked
         assert "--threads must be at least 1" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)

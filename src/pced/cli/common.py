@@ -4,6 +4,7 @@ options whose defaults come from ``AskOptions`` and ``SamplingConfig`` (never re
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..errors import UserError
 from ..sampling import SamplingConfig
@@ -150,8 +151,19 @@ def open_store(args: argparse.Namespace):
     store = DocumentStore.open(args.store, tiers=tiers_from(args))
     backend = get_backend(getattr(args, "backend", AskOptions.backend))
     load = {"device": args.device, "dtype": args.dtype} if hasattr(args, "device") else {}
-    store.model_for(backend, backend_settings_from(args), args.model, **load)
+    say(f"loading the model ({args.model or store.settings.model}, on {backend.name}) and the store's retrievers ...")
+    settings = backend_settings_from(args)
+    backend.prepare(store.model_for(backend, settings, args.model, **load), settings)  # an engine starts first
+    store.retriever(getattr(args, "retriever", AskOptions.retriever))  # loaded now: a question's retrieval_s is retrieval
+    if not getattr(args, "no_rerank", True):
+        store.reranker(getattr(args, "reranker", None))
     return store
+
+
+def say(text: str) -> None:
+    """A phase named on stderr for a person at a terminal (a script's stderr stays for errors)."""
+    if sys.stderr.isatty():
+        print(f"pced: {text}", file=sys.stderr, flush=True)
 
 
 __all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_retrieval_options",

@@ -7,7 +7,7 @@ import torch
 from pced.sampling import SamplingConfig
 from pced.generator import Generator
 from pced.kv.segment import DocKV, PinnedStaging, quantize_int8
-from pced.kv.tiers import GIB, CacheTiers, DevicePool
+from pced.kv.tiers import GIB, CacheTiers, DevicePool, device_pool
 from pced.kv.format import CacheError, verify_cache_dir
 from pced.kv.store import KVStore
 from pced.documents import Candidate, Document
@@ -107,8 +107,8 @@ def test_pool_keeps_dense_caches_under_its_budget_least_recently_used_first(tiny
 def test_tiers_are_checked_and_only_built_where_they_do_something():
     with pytest.raises(ValueError, match="gpu_cache_gb"):
         CacheTiers(gpu_cache_gb=-1)
-    assert CacheTiers().pool_for("cpu", torch.float32) is None  # a CPU model: mapped caches go straight in
-    pool = CacheTiers(gpu_cache_gb=0.5).pool_for("cpu", torch.float32)
+    assert device_pool(CacheTiers(), "cpu", torch.float32) is None  # a CPU model: mapped caches go straight in
+    pool = device_pool(CacheTiers(gpu_cache_gb=0.5), "cpu", torch.float32)
     assert pool.budget == GIB // 2 and pool.staging is None
 
 
@@ -215,11 +215,11 @@ def test_misses_of_different_caches_read_at_the_same_time(tiny_llm, tmp_path):
 def test_the_default_pool_is_none_on_a_cpu_and_a_share_of_free_memory_on_cuda():
     tiers = CacheTiers()
     assert tiers.gpu_cache_gb is None and tiers.budget_bytes(torch.device("cpu")) == 0
-    assert tiers.pool_for("cpu", torch.float32) is None
+    assert device_pool(tiers, "cpu", torch.float32) is None
     assert CacheTiers(gpu_cache_gb=0.5).budget_bytes(torch.device("cpu")) == GIB // 2
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
-        budget = tiers.pool_for("cuda", torch.bfloat16).budget
+        budget = device_pool(tiers, "cuda", torch.bfloat16).budget
         assert 0 < budget <= free * tiers.cuda_free_share
 
 

@@ -37,7 +37,7 @@ from .budget import CacheUse
 from .encode import encode_documents, encode_prefix
 from .format import FORMAT_VERSION, CacheError, check_cache_file, content_hash, tensor_checksum
 from .segment import DocKV
-from .tiers import CacheTiers
+from .tiers import CacheTiers, device_pool
 
 
 class KVStore:
@@ -71,7 +71,7 @@ class KVStore:
         self.verify = verify  # check a cache's checksum on load: "once" per file per process, True every time
         # the device tier (pced.kv.tiers): None on a CPU model without --gpu-cache-gb (mapped caches go
         # straight into the batch buffer)
-        self.pool = tiers.pool_for(llm.device, next(llm.model.parameters()).dtype)
+        self.pool = device_pool(tiers, llm.device, next(llm.model.parameters()).dtype)
 
     # -- identity -------------------------------------------------------------------------
     def _check_or_create_manifest(self, recorded_model_path: str | None) -> None:

@@ -38,19 +38,3 @@ class CacheTiers:
             return 0
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * self.cuda_free_share)
-
-    def pool_for(self, device, dtype) -> "DevicePool | None":
-        """The device tier for a model on ``device`` (``dtype`` its torch dtype), or None where caches go
-        straight from the mapping to the buffer (a CPU model without a budget: today's zero-copy path)."""
-        import torch
-
-        from .segment import PinnedStaging
-        from .tiers import DevicePool
-
-        device = torch.device(device)
-        cuda = device.type == "cuda"
-        budget = self.budget_bytes(device)
-        if budget == 0 and not cuda:
-            return None
-        staging = PinnedStaging() if cuda and self.pinned_staging else None
-        return DevicePool(device, dtype, budget, staging)

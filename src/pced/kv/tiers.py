@@ -23,6 +23,18 @@ from .segment import DocKV, PinnedStaging
 from .tier_settings import GIB, CacheTiers  # noqa: F401 (the settings; re-exported)
 
 
+def device_pool(tiers: CacheTiers, device: torch.device | str, dtype: torch.dtype) -> "DevicePool | None":
+    """The device tier ``tiers`` asks for a model on ``device``, or None where caches go straight from
+    the mapping to the buffer (a CPU model without a budget: today's zero-copy path)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    budget = tiers.budget_bytes(device)
+    if budget == 0 and not cuda:
+        return None
+    staging = PinnedStaging() if cuda and tiers.pinned_staging else None
+    return DevicePool(device, dtype, budget, staging)
+
+
 class DevicePool:
     """Dense caches on one device under ``budget`` bytes, least recently used evicted first.
 
@@ -94,4 +106,4 @@ class DevicePool:
                 "entries": len(self._entries), "pinned_staging": self.staging is not None, **self.counters}
 
 
-__all__ = ["CacheTiers", "DevicePool", "GIB"]
+__all__ = ["CacheTiers", "DevicePool", "GIB", "device_pool"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +151,8 @@ def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
     # save_pretrained refuses a GGUF-loaded model, so rebuild a plain one from its config.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    print(f"pced: dequantizing the embedded model once into {target} (about 30 s)...", flush=True)
+    print(f"pced: preparing the embedded model (once): dequantizing its GGUF into {target} (about 30 s) ...",
+          file=sys.stderr, flush=True)  # stderr: stdout may carry --json
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)

@@ -13,7 +13,7 @@ from ..backend import all_backends
 from ..sampling import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
 from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
-                     ask_options_from, backend_settings_from, open_store)
+                     ask_options_from, backend_settings_from, open_store, say)
 
 DEMO_QUESTIONS = "demo_questions.json"
 DEMO_CORPUS = "demo_corpus.jsonl"
@@ -125,6 +125,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
         kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
     )
+    say(f"loading the model ({settings.model}, on {args.backend}) ...")
     _, report = index_store(corpus, args.out, settings, backend=args.backend, backend_settings=backend_settings_from(args))
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "

@@ -77,7 +77,7 @@ class DenseRetriever(BaseRetriever):
         texts = [prompt + t for t in texts]
         parts = []
         with tqdm(total=len(texts), desc="retrieval indexes: embedding documents", unit="doc",
-                  disable=not progress) as bar:
+                  disable=not progress or len(texts) < 256) as bar:  # a few documents take no time to show
             for start in range(0, len(texts), 16 * self.batch_size):
                 batch = texts[start : start + 16 * self.batch_size]
                 parts.append(np.asarray(self.model.encode(batch, batch_size=self.batch_size, normalize_embeddings=True,

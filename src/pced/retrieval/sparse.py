@@ -57,8 +57,9 @@ class BM25Retriever(BaseRetriever):
         bm25s = _bm25s()
 
         bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)
-        tokens = bm25s.tokenize(texts, stopwords=self.stopwords or None, return_ids=True, show_progress=self.progress)
-        bm25.index(tokens, show_progress=self.progress)
+        bars = self.progress and len(texts) >= 1000  # a few documents take no time to show
+        tokens = bm25s.tokenize(texts, stopwords=self.stopwords or None, return_ids=True, show_progress=bars)
+        bm25.index(tokens, show_progress=bars)
         self._bm25 = bm25
 
     def scores_many(self, queries: Sequence[str]) -> np.ndarray:

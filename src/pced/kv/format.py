@@ -149,16 +149,27 @@ def verify_cache_dir(root: Path, remove: bool = False) -> dict:
     except (OSError, ValueError) as exc:
         raise CacheError(f"{root} has no readable kvstore.json ({exc}); not a KV store") from None
     identity = {k: v for k, v in identity.items() if k != "model"}  # the folder's name: recorded, not checked
+
+    def check(path: Path, digest: str) -> dict:
+        kv, meta = check_cache_file(path, identity, digest)
+        if not all(bool(torch.isfinite(t).all()) for t in kv.tensors().values()):
+            raise CacheError(f"cache file {path} holds non-finite values (NaN or infinity)")
+        return meta
+
+    return verify_files(root, "kv", check, remove)
+
+
+def verify_files(root: Path, files_dir: str, check, remove: bool = False) -> dict:
+    """Run ``check(path, digest)`` (a file's metadata, or a CacheError) over a cache directory's prefix
+    and its per-document files under ``files_dir``: counts and one line per damaged file; ``remove``
+    deletes damaged files. Shared by every backend's cache directory (``Backend.verify_caches``)."""
     report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
     files = [(root / "prefix.safetensors", "prefix")] if (root / "prefix.safetensors").is_file() else []
-    files += [(path, path.stem) for path in sorted((root / "kv").glob("*/*.safetensors"))]
+    files += [(path, path.stem) for path in sorted((root / files_dir).glob("*/*.safetensors"))]
     for path, digest in files:
         report["checked"] += 1
         try:
-            kv, meta = check_cache_file(path, identity, digest)
-            if not all(bool(torch.isfinite(t).all()) for t in kv.tensors().values()):
-                raise CacheError(f"cache file {path} holds non-finite values (NaN or infinity)")
-            report["without_checksum"] += "checksum" not in meta
+            report["without_checksum"] += "checksum" not in check(path, digest)
         except CacheError as exc:
             report["damaged"].append(str(exc))
             if remove:

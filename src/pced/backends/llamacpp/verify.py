@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...kv.format import CacheError, mmap_safetensors, tensor_checksum
+from ...kv.format import CacheError, mmap_safetensors, tensor_checksum, verify_files
 
 MANIFEST = "states.json"
 
@@ -41,17 +41,4 @@ def verify_state_dir(root: Path, remove: bool = False) -> dict:
         identity = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise CacheError(f"{root} has no readable {MANIFEST} ({exc}); not a llama.cpp state directory") from None
-    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
-    files = [(root / "prefix.safetensors", "prefix")] if (root / "prefix.safetensors").is_file() else []
-    files += [(path, path.stem) for path in sorted((root / "seq").glob("*/*.safetensors"))]
-    for path, digest in files:
-        report["checked"] += 1
-        try:
-            meta = check_state_file(path, identity, digest)
-            report["without_checksum"] += "checksum" not in meta
-        except CacheError as exc:
-            report["damaged"].append(str(exc))
-            if remove:
-                path.unlink(missing_ok=True)
-                report["removed"] += 1
-    return report
+    return verify_files(root, "seq", lambda path, digest: check_state_file(path, identity, digest), remove)

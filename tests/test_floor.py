@@ -1,11 +1,12 @@
-"""Random-weight models of named shapes and the bandwidth floor ``pced bench`` prints beside decode times."""
+"""Random-weight models of named shapes, and the weights and keys and values a torch model's decode step reads."""
 
 import json
 
 import pytest
 import torch
 
-from pced.bench.floor import copy_bandwidth, kv_bytes_per_token, step_bytes, weight_bytes
+from pced.backends.transformers.bench import kv_bytes_per_token, weight_bytes
+from pced.bench.machine import memory_bandwidth
 from pced.bench.random_model import SHAPES, random_model, shape_of
 
 from helpers.cli import run_pced
@@ -21,12 +22,11 @@ def test_the_floor_counts_weights_once_and_each_rows_keys_and_values():
     untied = layers * per_layer + hidden + vocab * hidden  # the input embedding is not read whole by a step
     assert weight_bytes(llm.model) == 4 * untied
     assert kv_bytes_per_token(llm.model) == 2 * layers * kv_heads * head_dim * 4
-    assert step_bytes(llm.model, [10, 20]) == 4 * untied + 30 * kv_bytes_per_token(llm.model)
     tied = random_model("smollm2-135m", device="cpu", dtype="bfloat16")
     assert tied.model.lm_head.weight.data_ptr() == tied.model.model.embed_tokens.weight.data_ptr()
     assert weight_bytes(tied.model) == 2 * sum(p.numel() for p in tied.model.parameters())  # tied: read once
     assert sum(p.numel() for p in tied.model.parameters()) == pytest.approx(134.5e6, rel=1e-3)  # SmolLM2-135M's count
-    assert copy_bandwidth(torch.device("cpu"), megabytes=16, repeats=3) > 1e8
+    assert memory_bandwidth(torch.device("cpu"), megabytes=16, repeats=3) > 1e8
 
 
 def test_a_random_model_decodes_finite_logits_with_real_rotary_frequencies():

@@ -171,7 +171,7 @@ def test_gemma_bench_on_llamacpp_alone(tmp_path, capsys):
     assert set(report["store_bytes_per_token"]) == {"llamacpp"} and report["store_bytes_per_token"]["llamacpp"] > 0
     assert [row["k"] for row in report["latency"]] == [1, 2]
     for row in report["latency"]:
-        assert set(row) == {"k", "llamacpp"} and 0 < row["llamacpp"]["floor_s"] < row["llamacpp"]["decode_per_token_s"]
+        assert set(row) == {"k", "llamacpp"} and 0 < row["llamacpp"]["decode_floor_s"] < row["llamacpp"]["decode_per_token_s"]
 
 
 def test_bench_with_a_gguf_of_its_own_runs_it_alone(tmp_path, capsys):

@@ -66,6 +66,7 @@ def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
     assert [row["k"] for row in report["latency"]] == [2]
     for backend in ("transformers", "vllm"):
         assert report["latency"][0][backend]["new_tokens"] == 4  # EOS ignored: exactly the asked length
+        assert report["latency"][0][backend]["decode_vs_floor"] > 1 and report["latency"][0][backend]["ttft_vs_floor"] > 1
     assert report["throughput"][0]["questions"] == 3 and report["throughput"][0]["vllm"]["questions_per_s"] > 0
     assert report["engine_counters"]["questions"] == 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
     assert (out / "bench_vllm.md").is_file() and (out / "bench_vllm.png").stat().st_size > 0

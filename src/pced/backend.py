@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar
@@ -53,6 +53,28 @@ class Capabilities:
     request_documents: bool = True  # documents sent with a question (the server, pced generate)
     concurrent_questions: bool = False  # questions decode together in one engine (the server's wide lane)
     own_caches: bool = True  # encodes document caches of its own kind (else it reads another backend's)
+
+
+@dataclass(frozen=True)
+class WorkShape:
+    """What one token costs a backend as it runs, for the bench's floors (``pced.bench.floors``,
+    which writes the formulas in these symbols)."""
+
+    weight_bytes: int  # W: weights one decode step reads, as held (the input embedding only if it is the output layer)
+    matmul_params: int  # P: weights multiplied per token, every linear map and the output layer
+    output_params: int  # P_out: the output layer's
+    layers: int  # L
+    heads: int  # H: query heads (grouped-query attention shares keys and values, not FLOPs)
+    key_dim: int  # d_k
+    value_dim: int  # d_v
+    kv_bytes_per_cell: float  # c: keys and values of one cell across all layers, in the running cache's type
+    matrices: tuple[tuple[int, int], ...]  # (inner, outer) of each distinct per-layer weight matrix
+    output: tuple[int, int]  # (inner, outer) of the output layer
+    gemm_dtype: str = "float32"  # the dtype whose GEMM rate is the floor's arithmetic peak
+    described_as: str = ""  # weights and KV as run, for the report
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -198,12 +220,20 @@ class Backend:
         by default: the documents' caches are encoded by the bench itself."""
         return {}
 
-    def weights_bytes(self, model: Any) -> int | None:
-        """Bytes of weights read per decode step, as the backend holds them (None: from the torch model)."""
+    def work_shape(self, generator: Any) -> WorkShape | None:
+        """What one token costs ``generator``'s model on this backend, as it runs (None: the bench
+        prints no floor for it)."""
         return None
 
-    def kv_bytes_per_token(self, generator: Any) -> float | None:
-        """Bytes of keys and values one token adds to a row during decoding (None: from the torch model)."""
+    def bench_cache_bytes(self, generator: Any, files: list[Path]) -> int:
+        """Bytes of the documents' cache ``files`` its first token reads (the floor's page-cache term):
+        all of them by default."""
+        return sum(Path(f).stat().st_size for f in files)
+
+    def bench_kernel_step(self, generator: Any, rows: int) -> tuple[float, int] | None:
+        """Its own kernels' speed, reported beside the floor: the best seconds of one decode step of
+        ``rows`` rows, each attending the returned number of cells (None: it has no kernels of its
+        own to time; torch's are the floor's)."""
         return None
 
 
@@ -265,5 +295,5 @@ def all_backends() -> list[Backend]:
     return [get_backend(name) for name in backend_names()]
 
 
-__all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "REGISTRY", "all_backends", "backend_names",
-           "get_backend", "register_backend", "unregister_backend"]
+__all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "REGISTRY", "WorkShape", "all_backends",
+           "backend_names", "get_backend", "register_backend", "unregister_backend"]

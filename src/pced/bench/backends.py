@@ -4,12 +4,14 @@ in one run, one question at a time.
 On the bench's secret-code documents (``bench.run.secret_code_documents``) at the first
 ``--doc-tokens``, for each k of ``--ks``: time to first token (document caches read from their
 files, each backend's of its own kind; a backend that reads another's caches gets them as its
-``Backend.bench_prepare`` says),
-decode milliseconds per step and the step's memory-bandwidth floor (the weights as the backend
-holds them plus every row's keys and values, over the measured copy bandwidth), medians of
-``--repeats``; and the stored bytes per document token of each backend's caches.
+``Backend.bench_prepare`` says) and decode milliseconds per step, medians of ``--repeats``, each
+beside its floor (``pced.bench.floors``: the bytes and FLOPs of each backend's
+``Backend.work_shape`` over this machine's limits, measured once and cached by
+``pced.bench.machine``) and measured / floor; the rate of a backend's own kernels where it has them
+(``Backend.bench_kernel_step``), reported beside; and the stored bytes per document token of each
+backend's caches.
 
-Saved as bench_backends.json, .md in ``--out``.
+Saved as bench_backends.json, .md and .png in ``--out``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from ..llm import LoadedModel
 from ..options import AskOptions
 from ..pipeline import ask_candidates
 from ..sampling import SamplingConfig
+from .backends_report import markdown_report, plot
 from .config import BenchConfig
-from .floor import copy_bandwidth, decode_floor_s
-from .run import RAG_TEMPLATE, _run, row_tokens, secret_code_documents
+from .floors import decode_work
+from .machine import machine_name
+from .run import RAG_TEMPLATE, _run, secret_code_documents
+from .run_floors import RunFloors, method_spans
 
 TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
 
@@ -51,7 +56,7 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
     texts = [d.render() for d in docs]
     default = get_backend(DEFAULT_BACKEND)
     models = {default.model_key(default.settings()): llm}
-    generators, labels, store_bytes, prepared = {}, {}, {}, {}
+    generators, labels, store_bytes, prepared, files, lengths = {}, {}, {}, {}, {}, {}
     for number, (backend, settings) in enumerate(entries, start=1):
         backend = get_backend(backend)
         settings = backend.settings(settings)
@@ -71,19 +76,22 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
         digests = generator.caches.add(texts, progress=False)
         prepared[label] = backend.bench_prepare(generator, texts)
         generators[label] = generator
+        files[label] = [generator.caches.path_for(d) for d in digests]
+        lengths[label] = [len(generator.builder.encode(generator.builder.context_text([t]))) for t in texts]
         if backend.capabilities.own_caches:
-            lengths = [len(generator.builder.encode(generator.builder.context_text([t]))) for t in texts]
-            files = [generator.caches.path_for(d) for d in digests]
-            store_bytes[label] = sum(f.stat().st_size for f in files) / sum(lengths)
-    bandwidth = copy_bandwidth(torch.device("cpu"))
+            store_bytes[label] = sum(f.stat().st_size for f in files[label]) / sum(lengths[label])
+    floors, shapes, spans, kernels = _floors(generators, lengths, question, cfg)
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
     results = {"config": asdict(cfg), "backends": {label: {"backend": g.backend.name, "settings": asdict(g.settings),
                                                            "model": g.llm.path, **prepared[label]}
                                                    for label, g in generators.items()},
                "model": llm.name, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-               "doc_tokens": doc_tokens, "bandwidth_gb_s": bandwidth / 1e9, "store_bytes_per_token": store_bytes,
-               "latency": []}
+               "doc_tokens": doc_tokens, "bandwidth_gb_s": floors.limits.memory_bandwidth / 1e9,
+               "store_bytes_per_token": store_bytes, "machine": floors.header(),
+               "machine_name": machine_name(floors.limits.key), "floors": floors.to_json(),
+               "work_shapes": {label: shape.to_json() for label, shape in shapes.items() if shape is not None},
+               "kernel_flop_s": kernels, "latency": []}
     with tqdm(total=len(cfg.ks) * len(generators) * cfg.repeats, desc="bench backends", unit="answer") as bar:
         for k in cfg.ks:
             row = {"k": k}
@@ -95,32 +103,29 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
                     runs.append(_run(ask_candidates(generator, candidates[:k], question, options).generation))
                     bar.update(1)
                 row[label] = {key: float(statistics.median(r[key] for r in runs)) for key in TIMES}
-                rows = row_tokens(generator, "pced", [doc_tokens] * k, question)
-                weights = backend.weights_bytes(generator.llm)
-                if weights is None:  # a torch model: its parameters and KV in its own dtype
-                    row[label]["floor_s"] = decode_floor_s(generator.llm.model, rows, bandwidth)
-                else:
-                    row[label]["floor_s"] = (weights + backend.kv_bytes_per_token(generator) * sum(rows)) / bandwidth
+                if shapes[label] is not None:
+                    floors.annotate(row[label], shapes[label], spans[label, k], cfg.new_tokens,
+                                    backend.bench_cache_bytes(generator, files[label][:k]))
             results["latency"].append(row)
     atomic_write_json(root / "bench_backends.json", results)
     atomic_write_text(root / "bench_backends.md", markdown_report(results))
+    plot(results, root)
     return results
 
 
-def markdown_report(results: dict) -> str:
-    cfg = results["config"]
-    names = list(results["backends"])
-    models = "; ".join(f"{label}: {Path(b['model']).name}" for label, b in results["backends"].items())
-    lines = [f"# pced bench, backends side by side: {results['model']}", "",
-             f"{results['cpu_count']} CPUs, {results['threads']} threads; documents of {results['doc_tokens']} tokens; "
-             f"{cfg['new_tokens']} new tokens per answer (EOS ignored); medians of {cfg['repeats']}; models ({models}); "
-             f"copy bandwidth {results['bandwidth_gb_s']:.1f} GB/s.", "",
-             "| k | " + " | ".join(f"{n} TTFT s | {n} ms/step (floor)" for n in names) + " |",
-             "|---|" + "---|---|" * len(names)]
-    for row in results["latency"]:
-        cells = [f"{row[n]['ttft_s']:.3f} | {row[n]['decode_per_token_s'] * 1000:.1f} ({row[n]['floor_s'] * 1000:.1f})"
-                 for n in names]
-        lines.append(f"| {row['k']} | " + " | ".join(cells) + " |")
-    lines += ["", "Stored bytes per document token: " + ", ".join(
-        f"{n} {b:,.0f}" for n, b in results["store_bytes_per_token"].items()) + ".", ""]
-    return "\n".join(lines)
+def _floors(generators: dict, lengths: dict, question: str, cfg: BenchConfig):
+    """Each backend's work and rows at every k, this machine's limits for them (measured once,
+    cached), and the rate of each backend's own kernels at k + 1 rows where it has its own."""
+    shapes = {label: g.backend.work_shape(g) for label, g in generators.items()}
+    spans = {(label, k): method_spans(g.builder, "pced", lengths[label][:k], question)
+             for label, g in generators.items() for k in cfg.ks}
+    floors = RunFloors.measure([(shapes[label], s) for (label, _), s in spans.items() if shapes[label] is not None],
+                               "cpu", cfg.remeasure)
+    kernels = {}
+    for label, generator in generators.items():
+        for rows in sorted({1, *(k + 1 for k in cfg.ks)}):
+            step = generator.backend.bench_kernel_step(generator, rows) if shapes[label] is not None else None
+            if step is not None:
+                seconds, cells = step
+                kernels.setdefault(label, {})[str(rows)] = decode_work(shapes[label], [cells] * rows)[1] / seconds
+    return floors, shapes, spans, kernels

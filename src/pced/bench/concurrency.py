@@ -37,6 +37,8 @@ from ..backend import DEFAULT_BACKEND, get_backend
 from ..generator import Generator
 from ..options import AskOptions
 from ..pipeline import ask_candidates
+from .report import FLOORS_NOTE
+from .run_floors import RunFloors, method_spans, with_floor
 
 
 def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=None) -> dict:
@@ -52,12 +54,21 @@ def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=
     reference = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
     engine = Generator(llm, reference.template, reference.caches.root, cfg.storage_dtype, backend=backend, settings=settings)
     generators = {default.name: reference, backend.name: engine}
-    reference.caches.add([d.render() for d in docs], progress=False)
+    digests = reference.caches.add([d.render() for d in docs], progress=False)
     prepared = backend.bench_prepare(engine, [d.render() for d in docs])
     candidates = [Candidate(d, 0.8 if d.id in gold else 0.5) for d in docs]
+    # the floors (pced.bench.floors): each backend's work, this machine's limits (measured once, cached)
+    files = [reference.caches.path_for(h) for h in digests]
+    lengths = [reference.caches.load(h).n_tokens for h in digests]
+    spans = {k: method_spans(reference.builder, "pced", lengths[:k], question) for k in cfg.ks}
+    shapes = {name: g.backend.work_shape(g) for name, g in generators.items()}
+    floors = RunFloors.measure([(shapes[n], s) for n in generators for s in spans.values() if shapes[n] is not None],
+                               llm.device, cfg.remeasure)
     results = {"config": asdict(cfg), "backend": backend.name, "default": default.name, backend.name: asdict(settings),
                "model": llm.name, "device": str(llm.device), "threads": torch.get_num_threads(),
-               "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens, **prepared, "latency": [], "throughput": []}
+               "cpu_count": os.cpu_count(), "doc_tokens": doc_tokens, **prepared, "machine": floors.header(),
+               "floors": floors.to_json(), "work_shapes": {n: s.to_json() for n, s in shapes.items() if s is not None},
+               "latency": [], "throughput": []}
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
 
     def answer(name: str, k: int) -> dict:
@@ -76,6 +87,10 @@ def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=
                     bar.update(1)
                 row[name] = {key: float(statistics.median(r[key] for r in runs))
                                 for key in ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")}
+                generator = generators[name]
+                if shapes[name] is not None:
+                    floors.annotate(row[name], shapes[name], spans[k], cfg.new_tokens,
+                                    generator.backend.bench_cache_bytes(generator, files[:k]))
             results["latency"].append(row)
         k = max(cfg.ks)
         for concurrency in cfg.concurrency:
@@ -117,13 +132,17 @@ def markdown_report(results: dict) -> str:
     lines = [f"# pced bench --backend {b}: {results['model']} on {results['device']}", "",
              f"{results['cpu_count']} CPUs; documents of {results['doc_tokens']} tokens; {cfg['new_tokens']} new tokens "
              f"per answer (EOS ignored); medians of {cfg['repeats']}.{prepared}", "",
+             f"Machine: {results['machine']}.", "",
+             FLOORS_NOTE + f" {b}'s first token reads no cache file (its engine holds the documents).", "",
              "## One question at a time", "",
              f"| k | {d} TTFT s | {b} TTFT s | {d} decode ms/token | {b} decode ms/token |",
              "|---|---|---|---|---|"]
     for row in results["latency"]:
         t, v = row[d], row[b]
-        lines.append(f"| {row['k']} | {t['ttft_s']:.3f} | {v['ttft_s']:.3f} | {t['decode_per_token_s'] * 1000:.1f} | "
-                     f"{v['decode_per_token_s'] * 1000:.1f} |")
+        lines.append(f"| {row['k']} | {with_floor(t['ttft_s'], t.get('ttft_floor_s'))} | "
+                     f"{with_floor(v['ttft_s'], v.get('ttft_floor_s'))} | "
+                     f"{with_floor(t['decode_per_token_s'], t.get('decode_floor_s'), 1000, 1)} | "
+                     f"{with_floor(v['decode_per_token_s'], v.get('decode_floor_s'), 1000, 1)} |")
     lines += ["", f"## Questions at once ({b} batches them; {d} answers them in turn)", "",
               f"| k | questions | {d} questions/s | {b} questions/s | speed-up | {b} tokens/s |",
               "|---|---|---|---|---|---|"]

@@ -22,6 +22,7 @@ class BenchConfig:
     cold: bool = True  # also measure PCED with the cache files evicted from the page cache
     resident: bool = True  # also measure PCED with every cache kept on the model's device (pced.kv.tiers)
     concurrency: tuple[int, ...] = (1, 4, 16)  # a --backend whose engine batches questions: questions at once
+    remeasure: bool = False  # measure this machine's limits again instead of reading them from the cache (pced.bench.machine)
     out: str = "runs/bench"
     seed: int = 42
     extra: dict = field(default_factory=dict)

@@ -4,23 +4,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .run_floors import with_floor
+
+FLOORS_NOTE = ("[floor, measured / floor] beside each time: a decode step's floor is max(bytes it reads / memory "
+               "bandwidth, its FLOPs / GEMM peak); a first token's is the caches' stored bytes / page-cache rate + "
+               "max(the prefill's bytes / bandwidth, its FLOPs / peak) (pced.bench.floors).")
+
 
 def _fmt(value, digits=3) -> str:
     return "n/a" if value is None or value != value else f"{value:.{digits}f}"
 
 
+def _nan(value) -> float:
+    return float("nan") if value is None else value
+
+
 def _decode(summary: dict) -> str:
-    """Decode time per token with its bandwidth floor: "0.0412 [0.0061]"."""
-    if not summary:
-        return _fmt(None)
-    floor = summary.get("decode_floor_s")
-    return _fmt(summary.get("decode_per_token_s"), 4) + (f" [{floor:.4f}]" if floor is not None else "")
+    """Decode ms per token with its floor and the ratio: "41.2 [6.1, 6.8x]"."""
+    summary = summary or {}
+    return with_floor(summary.get("decode_per_token_s"), summary.get("decode_floor_s"), 1000, 1)
+
+
+def _ttft(summary: dict, kind: str = "") -> str:
+    summary = summary or {}
+    return with_floor(summary.get(f"ttft{kind}_s"), summary.get(f"ttft{kind}_floor_s"))
+
+
+def floor_terms(rows: list[dict], method: str = "pced") -> list[str]:
+    """The terms of ``method``'s floors at each k: what binds, and by how much."""
+    lines = ["| k | decode GB read | decode GFLOP | bytes / bandwidth (ms) | FLOPs / peak (ms) | bound | caches read (MB) | "
+             "read (s) | prefill GFLOP | prefill FLOPs / peak (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        floors = (row.get(method) or {}).get("floors")
+        if not floors:
+            continue
+        d, t = floors["decode"], floors["ttft"]
+        lines.append(f"| {row['k']} | {d['bytes'] / 1e9:.3f} | {d['flops'] / 1e9:.2f} | {d['memory_s'] * 1000:.1f} | "
+                     f"{d['compute_s'] * 1000:.1f} | {d['bound']} | {t['read_bytes'] / 1e6:.1f} | {t['read_s']:.3f} | "
+                     f"{t['flops'] / 1e9:.1f} | {t['compute_s']:.3f} |")
+    return lines
 
 
 def markdown_report(results: dict) -> str:
     lines = [f"Model {results['model']} on {results['device']} ({results['dtype']}, {results['threads']} threads); medians. "
-             f"Decode floors [in brackets]: bytes a step reads (weights {results['weight_bytes'] / 1e9:.2f} GB + each "
-             f"row's KV) / measured copy bandwidth {results['copy_bandwidth_gbs']:.1f} GB/s."]
+             f"Machine: {results['machine']}. Work: {results['work_shape']['described_as']}.", "", FLOORS_NOTE]
     for length in results["lengths"]:
         s = length["storage"]
         lines += [
@@ -33,36 +60,37 @@ def markdown_report(results: dict) -> str:
             "TTFT of PCED with its caches resident on the model's device (pced.kv.tiers), in the host page cache "
             "(warm) and read from disk (cold).",
             "",
-            "| k | context tokens | PCED TTFT resident (s) | PCED TTFT warm (s) | PCED TTFT cold (s) | suffix-forward floor (s) | TTFT / floor | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode/token (s) [floor] | all decode/token (s) [floor] | APE decode/token (s) [floor] |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| k | context tokens | PCED TTFT resident (s) | PCED TTFT warm (s) | PCED TTFT cold (s) | PCED suffix forward (s) | all TTFT (s) | all / PCED TTFT | APE TTFT (s) | PCED decode (ms/token) | all decode (ms/token) | APE decode (ms/token) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in length["rows"]:
             p, a, e = row.get("pced") or {}, row.get("all") or {}, row.get("ape") or {}
             ratio = a.get("ttft_s") / p["ttft_s"] if a and p else None
-            floor_ratio = p["ttft_s"] / p["suffix_forward_s"] if p else None
             lines.append(
-                f"| {row['k']} | {row['context_tokens']} | {_fmt(p.get('ttft_resident_s'))} | {_fmt(p.get('ttft_s'))} | "
-                f"{_fmt(p.get('ttft_cold_s'))} | "
-                f"{_fmt(p.get('suffix_forward_s'))} | {_fmt(floor_ratio, 2)} | {_fmt(a.get('ttft_s'))} | {_fmt(ratio, 1)} | "
-                f"{_fmt(e.get('ttft_s'))} | {_decode(p)} | {_decode(a)} | {_decode(e)} |"
+                f"| {row['k']} | {row['context_tokens']} | {_ttft(p, '_resident')} | {_ttft(p)} | "
+                f"{_fmt(p.get('ttft_cold_s'))} | {_fmt(p.get('suffix_forward_s'))} | {_ttft(a)} | {_fmt(ratio, 1)} | "
+                f"{_ttft(e)} | {_decode(p)} | {_decode(a)} | {_decode(e)} |"
             )
+        lines += ["", "PCED's floors, term by term (resident: the same without the read; cold: no floor, the disk "
+                      "is not measured):", ""] + floor_terms(length["rows"])
     storage = results.get("storage", [])
     if storage:
         lines += ["", f"### Storage per dtype ({storage[0]['documents']} documents of {results['config']['doc_tokens'][0]} "
                       "tokens; PCED over all of them, page cache warm)", "",
-                  "| dtype | bytes per document token | indexing tokens/s | PCED TTFT (s) | of which cache load (s) |",
+                  "| dtype | bytes per document token | indexing tokens/s | PCED TTFT (s) [floor, x] | of which cache load (s) |",
                   "|---|---|---|---|---|"]
     for row in storage:
         lines.append(f"| {row['dtype']} | {row['bytes_per_token']:.0f} | {row['tokens_per_s']:.0f} | "
-                     f"{_fmt(row.get('pced_ttft_s'))} | {_fmt(row.get('pced_cache_load_s'))} |")
+                     f"{with_floor(row.get('pced_ttft_s'), row.get('pced_ttft_floor_s'))} | "
+                     f"{_fmt(row.get('pced_cache_load_s'))} |")
     e2e = results.get("end_to_end")
     if e2e:
         lines += ["", f"### End to end: k={e2e['k']}, L={e2e['doc_tokens']}, {e2e['new_tokens']} new tokens", "",
-                  "| method | TTFT (s) | total (s) | decode/token (s) [floor] |", "|---|---|---|---|"]
+                  "| method | TTFT (s) [floor, x] | total (s) | decode (ms/token) [floor, x] |", "|---|---|---|---|"]
         for method in ("pced", "all"):
             if e2e.get(method):
                 m = e2e[method]
-                lines.append(f"| {method} | {m['ttft_s']:.3f} | {m['total_s']:.3f} | {_decode(m)} |")
+                lines.append(f"| {method} | {_ttft(m)} | {m['total_s']:.3f} | {_decode(m)} |")
     if results.get("memory"):
         lines += ["", "### Resident memory (fresh process per run)", "",
                   "| method | k | L | RSS before answer (MB) | peak during answer (MB) | extra for the answer (MB) | process peak (MB) |",
@@ -88,7 +116,7 @@ def plot(results: dict, root: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_ttft, ax_decode) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_ttft, ax_decode, ax_ratio) = plt.subplots(1, 3, figsize=(16, 4))
     for length in results["lengths"]:
         L = length["doc_tokens"]
         for method, style in (("pced", "-o"), ("all", "--s"), ("ape", ":^")):
@@ -96,9 +124,19 @@ def plot(results: dict, root: Path) -> None:
             if not points:
                 continue
             ks = [k for k, _ in points]
-            ax_ttft.plot(ks, [m["ttft_s"] for _, m in points], style, label=f"{method} L={L}")
-            ax_decode.plot(ks, [m["decode_per_token_s"] * 1000 for _, m in points], style, label=f"{method} L={L}")
-    for ax, title, unit in ((ax_ttft, "time to first token", "s"), (ax_decode, "decode time per token", "ms")):
+            line, = ax_ttft.plot(ks, [m["ttft_s"] for _, m in points], style, label=f"{method} L={L}")
+            ax_ttft.plot(ks, [_nan(m.get("ttft_floor_s")) for _, m in points], style[:-1], color=line.get_color(), alpha=0.35)
+            line, = ax_decode.plot(ks, [m["decode_per_token_s"] * 1000 for _, m in points], style, label=f"{method} L={L}")
+            ax_decode.plot(ks, [_nan(m.get("decode_floor_s")) * 1000 for _, m in points], style[:-1],
+                           color=line.get_color(), alpha=0.35)
+            ax_ratio.plot(ks, [_nan(m.get("ttft_vs_floor")) for _, m in points], "-" + style[-1],
+                          color=line.get_color(), label=f"{method} TTFT L={L}")
+            ax_ratio.plot(ks, [_nan(m.get("decode_vs_floor")) for _, m in points], ":" + style[-1],
+                          color=line.get_color(), mfc="none", label=f"{method} decode L={L}")
+    ax_ratio.axhline(1.0, color="black", lw=0.8)
+    for ax, title, unit in ((ax_ttft, "time to first token (faint: floor)", "s"),
+                            (ax_decode, "decode time per token (faint: floor)", "ms"),
+                            (ax_ratio, "measured / floor", "x")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("documents k")
         ax.set_ylabel(unit)
@@ -106,7 +144,7 @@ def plot(results: dict, root: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax_ttft.set_yscale("log")
-    fig.suptitle(f"{results['model']} on {results['device']}")
+    fig.suptitle(f"{results['model']} on {results['device']}: {results['machine_name']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(root / "bench.png", dpi=120)
     plt.close(fig)

@@ -23,7 +23,9 @@ from .config import BenchConfig
 from .report import markdown_report, plot
 from ..documents import Candidate, Document
 from ..generator import Generator
-from .floor import copy_bandwidth, decode_floor_s, weight_bytes
+from ..backends.transformers.bench import weight_bytes
+from .machine import machine_name
+from .run_floors import RunFloors, method_spans
 from ..fs import atomic_write_json, atomic_write_text
 from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel
@@ -89,7 +91,7 @@ def row_tokens(generator: Generator, method: str, lengths: list[int], question: 
 
 
 def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar,
-                 bandwidth: float) -> tuple[dict, dict]:
+                 floors: RunFloors) -> tuple[dict, dict]:
     """The timings of one document length, and its prompt as token ids for ``peer_inputs``."""
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
     # gold first, so every k includes the document that holds the answer
@@ -114,6 +116,7 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
     }
     storage["bytes_per_token"] = storage["bytes"] / max(1, stored_tokens)
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
+    shape = generator.backend.work_shape(generator)
     rows = []
     for k in cfg.ks:
         chosen, chosen_files = docs[:k], files[:k]
@@ -138,12 +141,14 @@ def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path
                 bar.update(cfg.repeats)
                 continue
             summary = {key: _median([r[key] for r in runs]) for key in runs[0] if isinstance(runs[0][key], (int, float))}
-            summary["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(generator, method, doc_lengths[:k], question),
-                                                       bandwidth)
             for name, extra in (("resident", resident_runs), ("cold", cold_runs)):
                 if extra:
                     summary[f"ttft_{name}_s"] = _median([r["ttft_s"] for r in extra])
                     summary[f"cache_load_{name}_s"] = _median([r["cache_load_s"] for r in extra])
+            # the floors: the caches' stored bytes come from the page cache (all reads none)
+            read = 0 if method == "all" else sum(f.stat().st_size for f in chosen_files)
+            floors.annotate(summary, shape, method_spans(builder, method, doc_lengths[:k], question), cfg.new_tokens,
+                            read, resident=bool(resident_runs))
             row[method] = summary
         rows.append(row)
     peer = {"doc_tokens": doc_tokens, "prefix_ids": list(builder.prefix_ids),
@@ -181,18 +186,22 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
         "cpu_count": os.cpu_count(),
         "lengths": [],
     }
-    bandwidth = copy_bandwidth(llm.device)
-    results["copy_bandwidth_gbs"] = bandwidth / 1e9
+    floors = RunFloors.measure(_floor_runs(llm, cfg, root), llm.device, cfg.remeasure)
+    results["floors"] = floors.to_json()
+    results["machine"] = floors.header()
+    results["machine_name"] = machine_name(floors.limits.key)
+    results["work_shape"] = floors.shapes[0].to_json()
+    results["copy_bandwidth_gbs"] = floors.limits.memory_bandwidth / 1e9
     results["weight_bytes"] = weight_bytes(llm.model)
     prompts = []
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for doc_tokens in cfg.doc_tokens:
-            length, prompt = bench_length(llm, cfg, doc_tokens, root, bar, bandwidth)
+            length, prompt = bench_length(llm, cfg, doc_tokens, root, bar, floors)
             results["lengths"].append(length)
             prompts.append(prompt)
     atomic_write_json(root / "peer_inputs.json", peer_inputs(llm, cfg, prompts))
-    results["storage"] = bench_storage(llm, cfg, root) if cfg.storage_dtypes else []
-    results["end_to_end"] = bench_end_to_end(llm, cfg, root, bandwidth) if cfg.long_new_tokens else None
+    results["storage"] = bench_storage(llm, cfg, root, floors) if cfg.storage_dtypes else []
+    results["end_to_end"] = bench_end_to_end(llm, cfg, root, floors) if cfg.long_new_tokens else None
     if cfg.memory:
         results["memory"] = bench_memory(cfg, root)
     atomic_write_json(root / "bench.json", results)
@@ -201,7 +210,18 @@ def run_bench(llm: LoadedModel, cfg: BenchConfig) -> dict:
     return results
 
 
-def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 16) -> list[dict]:
+def _floor_runs(llm: LoadedModel, cfg: BenchConfig, root: Path) -> list:
+    """PCED's rows at every (L, k) of the run: the shapes whose GEMM rates give the floors' peak."""
+    runs = []
+    for doc_tokens in cfg.doc_tokens:
+        _, question, _ = secret_code_documents(llm, max(cfg.ks), doc_tokens, cfg.seed)
+        generator = bench_generator(llm, root, doc_tokens, cfg.storage_dtype)
+        shape = generator.backend.work_shape(generator)
+        runs += [(shape, method_spans(generator.builder, "pced", [doc_tokens] * k, question)) for k in cfg.ks]
+    return runs
+
+
+def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, floors: RunFloors, n_docs: int = 16) -> list[dict]:
     """Per storage dtype (fresh stores): bytes per document token on disk, indexing time, and PCED's
     TTFT and cache load over all ``n_docs`` documents from the page cache, in one run so that the
     dtypes compare fairly."""
@@ -223,14 +243,17 @@ def bench_storage(llm: LoadedModel, cfg: BenchConfig, root: Path, n_docs: int = 
         tokens = sum(store.load(h).n_tokens for h in digests)
         size = sum(store.path_for(h).stat().st_size for h in digests)
         runs = [_run(start(generator, "pced", docs, gold, question, sampling)) for _ in range(cfg.repeats + 1)][1:]
+        ttft_s = _median([r["ttft_s"] for r in runs])
+        spans = method_spans(generator.builder, "pced", [store.load(h).n_tokens for h in digests], question)
+        floor = floors.ttft(generator.backend.work_shape(generator), spans, size).floor_s
         rows.append({"dtype": dtype, "documents": n_docs, "tokens": tokens, "bytes": size, "bytes_per_token": size / tokens,
-                     "index_s": seconds, "tokens_per_s": tokens / seconds,
-                     "pced_ttft_s": _median([r["ttft_s"] for r in runs]),
+                     "index_s": seconds, "tokens_per_s": tokens / seconds, "pced_ttft_s": ttft_s,
+                     "pced_ttft_floor_s": floor, "pced_ttft_vs_floor": ttft_s / floor,
                      "pced_cache_load_s": _median([r["cache_load_s"] for r in runs])})
     return rows
 
 
-def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path, bandwidth: float) -> dict:
+def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path, floors: RunFloors) -> dict:
     """A long answer (long_new_tokens) at the largest k where `all` still fits the window."""
     L = cfg.doc_tokens[0]
     docs, question, gold = secret_code_documents(llm, max(cfg.ks), L, cfg.seed)
@@ -247,9 +270,11 @@ def bench_end_to_end(llm: LoadedModel, cfg: BenchConfig, root: Path, bandwidth: 
     if fitting:
         out["all"] = _run(start(generator, "all", chosen, gold, question, sampling))
     lengths = [len(builder.context_ids([d.render()])) for d in chosen]
+    read = sum(generator.caches.path_for(h).stat().st_size for h in generator.caches.digests([d.render() for d in chosen]))
     for method in ("pced", "all"):
         if out.get(method):
-            out[method]["decode_floor_s"] = decode_floor_s(llm.model, row_tokens(generator, method, lengths, question), bandwidth)
+            floors.annotate(out[method], generator.backend.work_shape(generator), method_spans(builder, method, lengths, question),
+                            cfg.long_new_tokens, 0 if method == "all" else read)
     return out
 
 

@@ -44,6 +44,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-resident", action="store_true", help="skip the runs with caches resident on the device")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory runs")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure this machine's limits (bandwidth, page cache, GEMM rates) again instead of reading "
+                        "them from the cache (they are measured once per machine, threads and torch version)")
     p.add_argument("--out", default=DEFAULTS.out)
     p.add_argument("--model", default=None, help="local Hugging Face model (default: embedded); with a --backend that "
                    "loads another kind of file (a GGUF), that file, timed on that backend alone (with --beside '')")
@@ -83,7 +86,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(ks=args.ks, storage_dtypes=dtypes, doc_tokens=args.doc_tokens, methods=methods, repeats=args.repeats,
                          new_tokens=args.new_tokens, long_new_tokens=args.long_new_tokens,
                          storage_dtype=args.storage_dtype, cold=not args.no_cold, resident=not args.no_resident, memory=not args.no_memory, out=args.out,
-                         concurrency=args.concurrency)
+                         concurrency=args.concurrency, remeasure=args.remeasure)
     backend, default = get_backend(args.backend), get_backend(DEFAULT_BACKEND)
     settings = backend_settings_from(args)
     if args.beside is None:
@@ -141,5 +144,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     run_backends_bench(llm, config, entries, args.model if own_model else None)
     print(open(f"{args.out}/bench_backends.md").read())
-    print(f"pced: wrote {args.out}/bench_backends.json and bench_backends.md")
+    print(f"pced: wrote {args.out}/bench_backends.json, .md and .png")
     return 0

@@ -8,7 +8,6 @@ is imported at module level (llama-cpp-python loads with the first model).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +96,13 @@ class LlamaCppBackend(Backend):
         return rows
 
     # -- bench hooks ----------------------------------------------------------------------
-    def weights_bytes(self, model: Any) -> int:
-        return os.path.getsize(model.path)
+    def work_shape(self, generator: Any) -> Any:
+        """The GGUF's tensors as shipped and the KV cache in the context's cache type."""
+        from .bench import gguf_work_shape
 
-    def kv_bytes_per_token(self, generator: Any) -> float:
-        prefix = generator.caches.prefix()
-        return prefix.nbytes / prefix.n_tokens
+        return gguf_work_shape(generator.llm.path, generator.settings.cache_type)
+
+    def bench_kernel_step(self, generator: Any, rows: int) -> tuple[float, int]:
+        from .bench import kernel_step
+
+        return kernel_step(generator.llm, rows)

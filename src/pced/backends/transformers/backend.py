@@ -82,3 +82,9 @@ class TransformersBackend(Backend):
         return ExpertRows(generator.llm, caches.prefix(), [lambda d=d: caches.load(d) for d in digests],
                           builder.suffix_ids(question, with_context=True),
                           builder.suffix_ids(question, with_context=False), sampling.max_new_tokens)
+
+    # -- bench hooks ----------------------------------------------------------------------
+    def work_shape(self, generator: Any) -> Any:
+        from .bench import torch_work_shape
+
+        return torch_work_shape(generator.llm.model)

@@ -113,6 +113,26 @@ class VLLMBackend(TransformersBackend):
         engine.warm_up(generator.builder, documents)
         return {"engine_start_s": engine.start_s, "warm_up_s": engine.warm_up_s}
 
+    def work_shape(self, generator: Any) -> Any:
+        """The torch model's work with its weights, keys and values in the engine's dtype (the
+        platform's where unset; "auto": the model's own, as the torch model loads it)."""
+        from dataclasses import replace
+
+        import torch
+
+        shape = super().work_shape(generator)
+        dtype = generator.settings.for_platform(generator.llm.device.type == "cuda").dtype
+        if dtype in (None, "auto") or dtype == shape.gemm_dtype:
+            return shape
+        scale = getattr(torch, dtype).itemsize / getattr(torch, shape.gemm_dtype).itemsize
+        weights, cell = int(shape.weight_bytes * scale), shape.kv_bytes_per_cell * scale
+        return replace(shape, weight_bytes=weights, kv_bytes_per_cell=cell, gemm_dtype=dtype,
+                       described_as=f"{dtype} weights {weights / 1e9:.3f} GB, {dtype} KV {cell:,.0f} B/token")
+
+    def bench_cache_bytes(self, generator: Any, files: list) -> int:
+        """Nothing: ``bench_prepare`` put every document in the engine's prefix cache."""
+        return 0
+
     def health(self, generator: Any) -> dict:
         from .engine import running_engine
 

@@ -1,6 +1,7 @@
 """Random-weight models of named shapes, and the weights and keys and values a torch model's decode step reads."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ def test_shapes_by_name_or_json_and_a_clear_error_otherwise(tmp_path):
 @pytest.mark.slow
 def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_path):
     out = tmp_path / "bench"
+    env = {**os.environ, "PCED_CACHE_DIR": str(tmp_path / "cache")}  # this machine's limits: measured, not the user's
     result = run_pced("bench", "--random-model", "tiny", "--ks", "2", "--doc-tokens", "32", "--repeats", "1",
                       "--new-tokens", "3", "--long-new-tokens", "4", "--storage-dtypes", "", "--no-cold",
-                      "--out", str(out))
+                      "--out", str(out), env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "bench.json").read_text())
     assert report["model"] == "random tiny" and report["copy_bandwidth_gbs"] > 0 and "memory" not in report

@@ -3,8 +3,8 @@ move, over what this machine moves and computes (``pced.bench.machine``). No imp
 same work on the same machine can be faster; ``pced bench`` prints measured / floor.
 
 A backend describes itself with a ``WorkShape`` (``Backend.work_shape``: what one token costs it
-as it runs); a run is its rows, each a ``RowSpan``: the cells it starts from (prefix, its document) and the tokens it
-prefills (the question suffix). Notation:
+as it runs); a run is its rows, each a ``RowSpan``: the cells it starts from (prefix, its
+document) and the tokens it prefills (the question suffix). Notation:
 
     W      bytes of weights a decode step reads, as the backend holds them (transformers on a CPU:
            fp32; llama.cpp: the GGUF's tensors as shipped). The input embedding is only looked up,

@@ -142,6 +142,9 @@ def test_the_machine_limits_are_measured_once_cached_per_key_and_remeasured_on_r
     assert json.loads(path.read_text())["gemm"] == more.gemm
     fresh = machine_limits("cpu", [(3, 16, 8)], remeasure=True, **small)
     assert fresh.measured_at != first.measured_at and list(fresh.gemm) == ["float32 3x16x8"]
+    stale = {**json.loads(path.read_text()), "format": 1}  # measured another way: measured again
+    path.write_text(json.dumps(stale))
+    assert machine_limits("cpu", [(3, 16, 8)], **small).measured_at != stale["measured_at"]
     threads = torch.get_num_threads()
     assert machine_key("cpu", threads=1)["threads"] == 1
     assert cache_path(machine_key("cpu", threads=1)) != cache_path(machine_key("cpu", threads=2))

@@ -133,7 +133,9 @@ def markdown_report(results: dict) -> str:
              f"{results['cpu_count']} CPUs; documents of {results['doc_tokens']} tokens; {cfg['new_tokens']} new tokens "
              f"per answer (EOS ignored); medians of {cfg['repeats']}.{prepared}", "",
              f"Machine: {results['machine']}.", "",
-             FLOORS_NOTE + f" {b}'s first token reads no cache file (its engine holds the documents).", "",
+             FLOORS_NOTE + f" {b}'s first token reads no cache file (its engine holds the documents), and from the "
+             "second repeat on its prefix cache may hold the question's suffix too (the same question every repeat): "
+             "it then prefills less than the floor counts.", "",
              "## One question at a time", "",
              f"| k | {d} TTFT s | {b} TTFT s | {d} decode ms/token | {b} decode ms/token |",
              "|---|---|---|---|---|"]

@@ -122,6 +122,8 @@ class MachineLimits:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _best_seconds(run, device: torch.device, repeats: int, budget_s: float) -> float:

@@ -167,11 +167,16 @@ def test_gemma_bench_on_llamacpp_alone(tmp_path, capsys):
     assert main(["bench", "--backend", "llamacpp", "--model", gguf, "--beside", "", "--ks", "1,2", "--doc-tokens", "48",
                  "--repeats", "1", "--new-tokens", "3", "--out", str(out), "--threads", "1"]) == 0
     report = json.loads((out / "bench_backends.json").read_text())
-    assert report["model"] == "gemma-3-270m-q4_k_m" and report["gguf"] == gguf
-    assert set(report["store_bytes_per_token"]) == {"llamacpp"} and report["store_bytes_per_token"]["llamacpp"] > 0
+    label = "llamacpp:f16"  # the one backend timed, with its cache type
+    assert list(report["backends"]) == [label] and report["backends"][label]["model"] == gguf
+    assert set(report["store_bytes_per_token"]) == {label} and report["store_bytes_per_token"][label] > 0
     assert [row["k"] for row in report["latency"]] == [1, 2]
+    shape = report["work_shapes"][label]  # Gemma 3 270M's own shape, read from its GGUF
+    assert (shape["layers"], shape["heads"], shape["key_dim"]) == (18, 4, 256)
     for row in report["latency"]:
-        assert set(row) == {"k", "llamacpp"} and 0 < row["llamacpp"]["decode_floor_s"] < row["llamacpp"]["decode_per_token_s"]
+        timed = row[label]
+        assert set(row) == {"k", label} and 0 < timed["decode_floor_s"] < timed["decode_per_token_s"]
+        assert timed["decode_vs_floor"] > 1 and timed["ttft_vs_floor"] > 1
 
 
 def test_bench_with_a_gguf_of_its_own_runs_it_alone(tmp_path, capsys):

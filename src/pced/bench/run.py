@@ -81,15 +81,6 @@ def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: 
     return list(example.documents), example.question, list(example.gold_doc_ids)
 
 
-def row_tokens(generator: Generator, method: str, lengths: list[int], question: str) -> list[int]:
-    """Tokens each row of ``method`` attends to at its first decode step (for the bandwidth floor)."""
-    builder = generator.builder
-    prefix, suffix = len(builder.prefix_ids), len(builder.suffix_ids(question))
-    if method == "pced":
-        return [prefix + len(builder.suffix_ids(question, with_context=False))] + [prefix + n + suffix for n in lengths]
-    return [prefix + sum(lengths) + suffix]  # all and APE: one row over every document
-
-
 def bench_length(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int, root: Path, bar,
                  floors: RunFloors) -> tuple[dict, dict]:
     """The timings of one document length, and its prompt as token ids for ``peer_inputs``."""

@@ -3,6 +3,7 @@ retrieval libraries are imported): ask the same questions of the same store with
 backend and the vLLM backend; print one JSON line per question with both answers."""
 
 import json
+from dataclasses import replace
 import sys
 
 from pced.sampling import SamplingConfig
@@ -21,9 +22,9 @@ engine = shared_engine(store.llm.path, settings)  # first: before retrieval impo
 print(json.dumps({"warm_up_tokens": engine.warm_up(store.generator.builder, [d.render() for d in store.documents])}),
       flush=True)
 for question in json.loads(open(questions_file).read()):
-    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32), backend_settings=settings)
+    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32))
     reference = ask(store, question, base)
-    served = ask(store, question, AskOptions(**{**base.__dict__, "backend": "vllm"}))
+    served = ask(store, question, replace(base, backend="vllm", backend_settings=settings))
     print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),
                       "vllm_stats": served.answer().stats}), flush=True)
 engine.close()  # the engine's thread ends and it leaves the shared table

@@ -3,8 +3,8 @@ retrieval libraries are imported): ask the same questions of the same store with
 backend and the vLLM backend; print one JSON line per question with both answers."""
 
 import json
-from dataclasses import replace
 import sys
+from dataclasses import replace
 
 from pced.sampling import SamplingConfig
 from pced.backends.vllm.engine import shared_engine

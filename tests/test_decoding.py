@@ -185,7 +185,6 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
     detokenizes, stops at EOS and traces exactly the tokens and winners they hand it, and never asks
     the scoring for scores."""
     from pced.backends.vllm.engine import TapeScoring
-    from pced.backends.vllm.groups import GroupMember, GroupState
     from pced.decoding import Decision, Generation
     from pced.documents import Candidate, Document
 
@@ -193,7 +192,6 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
     winners = [1, 1, AMATEUR, 0, 1][: len(tokens)] + [0] * max(0, len(tokens) - 5)
     decided = [Decision(t, w) for t, w in zip(tokens, winners)] + [Decision(tiny_llm.tokenizer.eos_token_id, 0)]
     rule = RuleConfig(beta="dynamic", gamma=2.5)
-    state = GroupState.start(GroupMember("g", 0, (0.9, 0.5), rule))
 
     class DecidedRows(Rows):
         timings, stats = {}, {}
@@ -210,11 +208,11 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
 
     candidates = [Candidate(Document("a", "A."), 0.9), Candidate(Document("b", "B."), 0.5)]
     rows = DecidedRows()
-    answer = Generation(rows, TapeScoring(state, candidates, rule), tiny_llm, SamplingConfig(max_new_tokens=32)).answer()
+    answer = Generation(rows, TapeScoring(lambda: [0.25, 0.5], candidates, rule), tiny_llm, SamplingConfig(max_new_tokens=32)).answer()
     assert answer.token_ids == tokens and rows.taken == tokens
     assert [s.winner for s in answer.trace] == winners
     assert [s.doc_id for s in answer.trace] == [None if w == AMATEUR else "ab"[w] for w in winners]
-    assert answer.text == tiny_llm.tokenizer.decode(tokens)
+    assert answer.text == tiny_llm.tokenizer.decode(tokens) and answer.betas == [0.25, 0.5]
 # --------------------------------------------------------------------------- one host read per step
 
 

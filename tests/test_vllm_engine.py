@@ -1,6 +1,6 @@
 """How pced starts a vLLM engine: settings by platform, every one settable from the command line,
-tensor parallelism refused before any engine starts, and the processor class picked by asking vLLM's
-own engine configuration which model runner it will use."""
+the CPU build's ranks on cores of their own, and the processor class picked by asking vLLM's own
+engine configuration which model runner it will use."""
 
 import argparse
 import importlib.util
@@ -34,11 +34,19 @@ def test_every_engine_setting_comes_from_the_command_line():
     assert parse("--enforce-eager").enforce_eager is True
 
 
-def test_tensor_parallelism_is_refused_before_any_engine_starts_with_the_reason():
-    with pytest.raises(InputError, match="other processes.*trace"):
-        parse("--tensor-parallel-size", "2")
-    with pytest.raises(ValueError, match="tensor-parallel-size > 1 is refused"):
-        VLLMSettings(tensor_parallel_size=4)
+def test_tensor_parallelism_and_chunked_prefill_come_from_the_command_line():
+    assert parse("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    assert VLLMSettings().enable_chunked_prefill is None  # per runner: engine_plan
+    with pytest.raises(InputError, match="at least 1"):
+        parse("--tensor-parallel-size", "0")
+
+
+def test_cpu_shares_give_each_rank_its_own_cores():
+    from pced.backends.vllm.cpu import cpu_shares
+
+    assert cpu_shares([0, 1], 2) == "0|1"
+    assert cpu_shares([0, 1, 2, 3, 4], 2) == "0,1|2,3"
+    assert cpu_shares([0, 1], 3) == "0|1|0"  # fewer CPUs than ranks: they take turns
 
 
 @pytest.mark.slow
@@ -55,6 +63,8 @@ def test_the_runner_is_asked_of_vllm_and_cuda_caps_the_window_and_the_prefill_bu
     args, v2 = engine_plan(str(tiny_model_dir), VLLMSettings())
     assert v2 is False and v2 == EngineArgs(**args).create_engine_config().use_v2_model_runner
     assert (args["dtype"], args["enforce_eager"], args["gpu_memory_utilization"]) == ("float32", True, 0.3)
+    assert args["logprobs_mode"] == "processed_logits"  # the trace's channel (channel.py)
+    assert args["enable_chunked_prefill"] is False  # the V1 runner: whole prefills
     assert "max_model_len" not in args and "max_num_batched_tokens" not in args
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
     args, _ = engine_plan(str(tiny_model_dir), VLLMSettings())

@@ -1,6 +1,6 @@
 """The logits processors as vLLM 0.32 loads and calls them: each class passes the loader of its own
-runner (vLLM's code, called here), a group closed while a step is in flight is skipped, and the
-processor's step reads nothing back from the device beyond the rule's own choice."""
+runner (vLLM's code, called here), an abandoned question's rows leave without disturbing the others,
+and a step reads the device once, whatever the number of groups."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from pced.backends.vllm.groups import GroupMember, GroupRegistry, GroupState, Row, apply_groups
+from helpers.host_reads import HostReads
+from pced.backends.vllm import channel
+from pced.backends.vllm.groups import GroupMember, GroupTable, Row, apply_groups
 from pced.backends.vllm.processor import PCEDLogitsProcessor, PCEDLogitsProcessorV2, processor_class
 from pced.rule import ContrastiveRule, RuleConfig
 
@@ -25,18 +26,19 @@ def members(group: str) -> list[GroupMember]:
 
 def params(member: GroupMember | None = None):
     return SimpleNamespace(extra_args=member.to_args() if member else None, temperature=0.0, repetition_penalty=1.0,
-                           presence_penalty=0.0, frequency_penalty=0.0)
+                           presence_penalty=0.0, frequency_penalty=0.0, logprobs=0 if member else None)
 
 
-def v2_processor(groups: GroupRegistry, prompt_len: list[int]):
+def v2_processor(prompt_len: list[int]):
     """The V2 class built by vLLM's own V2 builder, as Model Runner V2 builds it."""
     from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors
 
+    lengths = SimpleNamespace(np=np.array(prompt_len))
     req_states = SimpleNamespace(device=torch.device("cpu"), max_num_reqs=len(prompt_len), vocab_size=20,
-                                 all_token_ids=None, prompt_len=SimpleNamespace(np=np.array(prompt_len)),
-                                 prefill_len=None, total_len=None)
-    built = build_custom_logits_processors(SimpleNamespace(speculative_config=None), req_states, False,
-                                           [processor_class(groups, v2=True)])
+                                 all_token_ids=None, prompt_len=lengths, prefill_len=lengths, total_len=None)
+    config = SimpleNamespace(speculative_config=None, model_config=SimpleNamespace(logprobs_mode="processed_logits"),
+                             parallel_config=SimpleNamespace(enable_batch_sharded_sampling=False))
+    built = build_custom_logits_processors(config, req_states, False, [processor_class(v2=True)])
     assert len(built) == 1
     return built[0]
 
@@ -48,10 +50,10 @@ def test_each_class_passes_the_loader_of_its_runner_and_only_that_one():
                                                                    build_custom_logits_processors_params_validator)
     from vllm.exceptions import VLLMValidationError
 
-    groups = GroupRegistry()
-    v1, v2 = processor_class(groups, v2=False), processor_class(groups, v2=True)
-    assert issubclass(v1, PCEDLogitsProcessor) and issubclass(v2, PCEDLogitsProcessorV2) and v1.groups is groups is v2.groups
+    v1, v2 = processor_class(v2=False), processor_class(v2=True)
+    assert v1 is PCEDLogitsProcessor and v2 is PCEDLogitsProcessorV2  # module-level: they pickle by name
     assert _load_custom_logitsprocs([v1])[-1] is v1  # V1 runner: vllm/v1/sample/logits_processor/__init__.py
+    assert _load_custom_logitsprocs(["pced.backends.vllm.processor:PCEDLogitsProcessor"])[-1] is v1  # by name too
     assert _load_v2_logitsprocs([v2])[-1] is v2  # Model Runner V2: v1/worker/gpu/sample/logits_processor/loader.py
     with pytest.raises(ValueError, match="is not a subclass of"):  # what passing the V1 class to V2 did (loader.py:87-93)
         _load_v2_logitsprocs([v1])
@@ -65,9 +67,7 @@ def test_each_class_passes_the_loader_of_its_runner_and_only_that_one():
 @needs_vllm
 def test_v2_processor_built_by_vllm_decides_from_host_arrays():
     group = members("q")
-    groups = GroupRegistry()
-    groups.open("q", GroupState.start(group[0]))
-    processor = v2_processor(groups, [10, 12, 11, 9, 5])
+    processor = v2_processor([10, 12, 11, 9, 5])
     assert [processor.add_request(slot, params(m)) for slot, m in zip((3, 0, 2, 1), group)] == [True] * 4
     assert processor.add_request(4, params()) is False
     logits = torch.randn(5, 20)
@@ -79,70 +79,60 @@ def test_v2_processor_built_by_vllm_decides_from_host_arrays():
     processor.apply(logits, ctx)
     assert all(int(logits[i].argmax()) == expected.token and logits[i].isfinite().sum() == 1 for i in (0, 2, 3, 4))
     assert torch.equal(logits[1], untouched)
-    assert groups.close("q").winners == [expected.winner]
+    assert processor.table.get("q").winners == [expected.winner]
+    assert channel.read_record(float(logits[3, expected.token])) == (expected.winner, False)  # the amateur, slot 3
 
 
-def test_a_group_closed_while_its_step_is_in_flight_is_skipped_not_raised():
-    """The order an abandoned question produces under async scheduling: the caller closes the group,
-    then the engine runs the step it had already scheduled for the group's rows."""
-    group = members("gone")
-    groups = GroupRegistry()
-    groups.open("gone", GroupState.start(group[0]))
-    processor = processor_class(groups, v2=False)()
-    outputs = {m.member: [] for m in group}
-    processor.update_state(SimpleNamespace(removed=[], moved=[], added=[(i, params(m), [1], outputs[m.member])
-                                                                        for i, m in enumerate(group)]))
-    processor.apply(torch.randn(4, 20))  # step 0 decided
-    for member in group:
-        outputs[member.member].append(0)  # one token generated (whatever it was): the rows now need token 1
-    groups.close("gone")
-    logits = torch.randn(4, 20)
-    before = logits.clone()
-    processor.apply(logits)  # the step in flight: the tape it would need is gone with the group
-    assert torch.equal(logits, before) and len(groups) == 0
-    with pytest.raises(RuntimeError, match="ahead of its group's tape"):  # an open group that lost its tape still fails
-        groups.open("gone", GroupState.start(group[0]))
-        processor.apply(torch.randn(4, 20))
+def test_an_abandoned_question_leaves_and_the_others_go_on():
+    """The order an abandoned question produces: pced aborts its requests; the step already
+    scheduled still decides its rows (nobody reads them), then the engine removes them from the
+    batch. The group is parked, the question beside it is decided as before."""
+    gone, kept = members("gone"), members("kept")
+    processor = processor_class(v2=False)()
+    outputs = {(m.group, m.member): [] for m in gone + kept}
+    processor.update_state(SimpleNamespace(removed=[], moved=[], added=[
+        (i, params(m), [1], outputs[m.group, m.member]) for i, m in enumerate(gone + kept)]))
+    logits = torch.randn(8, 20)
+    processor.apply(logits)
+    for i, m in enumerate(gone + kept):
+        outputs[m.group, m.member].append(int(logits[i].argmax()))
+    processor.apply(torch.randn(8, 20))  # the step in flight when the abort arrived: decided, unread
+    for i, m in enumerate(gone + kept):
+        outputs[m.group, m.member].append(0)  # whatever it emitted
+    processor.update_state(SimpleNamespace(removed=[0, 1, 2, 3], added=[], moved=[]))
+    assert processor.table.get("gone") is None and "gone" in processor.table.parked
+    tape = processor.table.get("kept").tape
+    logits = torch.randn(8, 20)
+    processor.apply(logits)
+    assert len(tape) == 3 and all(int(logits[i].argmax()) == tape[2] for i in range(4, 8))
 
 
-class HostReads(TorchDispatchMode):
-    """Counts the operations that read a tensor's value back to the host."""
-
-    READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default", "aten.is_nonzero.default"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if str(func) in self.READS:
-            self.count += 1
-        elif str(func).startswith("aten._to_copy") and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "cpu" and args[0].device.type != "cpu":
-            self.count += 1
-        return func(*args, **kwargs)
-
-
-def test_the_processor_step_adds_no_host_read_to_the_rules_own():
-    """One step of two groups: the reads counted in ``apply_groups`` are exactly those of the rule's
-    two choices on the same logits (forcing and row bookkeeping read nothing), and a step of a group
-    whose rows all lag behind its tape (no choice to make) reads nothing at all."""
-    torch.manual_seed(0)
-    logits = torch.randn(8, 50)
-    with HostReads() as rule_reads:
-        for half in (logits[:4], logits[4:]):
-            ContrastiveRule(RULE, torch.tensor(RELEVANCE)).choose(half.clone())
-    a, b = members("a"), members("b")
-    groups = GroupRegistry()
-    for g in (a, b):
-        groups.open(g[0].group, GroupState.start(g[0]))
-    with HostReads() as step_reads:
-        apply_groups(logits.clone(), [Row(i, m, 0) for i, m in enumerate(a + b)], groups)
-    assert rule_reads.count > 0 and step_reads.count == rule_reads.count
-    with HostReads() as lagging_reads:  # every row replays token 0 of the tape
-        apply_groups(torch.randn(8, 50), [Row(i, m, 0) for i, m in enumerate(a + b)], groups)
-    assert lagging_reads.count == 0
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_one_host_read_per_step_whatever_the_number_of_groups(count):
+    """Steps of 1, 2 and 4 groups through the V1 processor: the first step (betas learned), a step
+    with frozen betas, a step with a lagging member beside the frontier: one read of the device each
+    (``.tolist()`` of the decided tokens and winners), counted by ``helpers.host_reads``. A step
+    whose rows all replay the tape reads nothing."""
+    groups = [members(f"g{i}") for i in range(count)]
+    batch = [m for g in groups for m in g]
+    table = GroupTable()
+    for member in batch:
+        table.join(member)
+    reads = []
+    for step in range(2):
+        with HostReads() as counted:
+            apply_groups(torch.randn(len(batch), 2048), [Row(i, m, step) for i, m in enumerate(batch)], table)
+        reads.append(counted.events)
+    # step 2: the last expert of every group lags (replays token 1) while the others decide token 2
+    with HostReads() as counted:
+        apply_groups(torch.randn(len(batch), 2048),
+                     [Row(i, m, 1 if m.member == len(RELEVANCE) else 2) for i, m in enumerate(batch)], table)
+    reads.append(counted.events)
+    assert reads == [["tolist"]] * 3
+    with HostReads() as counted:  # every row replays token 0
+        apply_groups(torch.randn(len(batch), 2048), [Row(i, m, 0) for i, m in enumerate(batch)], table)
+    assert counted.count == 0
+    assert all(table.get(g[0].group).degraded == 1 and table.get(g[0].group).complete == 2 for g in groups)
 
 
 @needs_vllm
@@ -151,9 +141,7 @@ def test_v2_step_reads_no_device_tensor_of_the_context():
     on CPU tensors a read would pass unseen, so the device tensors here are meta tensors: any
     ``.tolist()`` or ``int()`` of them raises."""
     group = members("m")
-    groups = GroupRegistry()
-    groups.open("m", GroupState.start(group[0]))
-    processor = v2_processor(groups, [7, 7, 7, 7])
+    processor = v2_processor([7, 7, 7, 7])
     for slot, member in enumerate(group):
         processor.add_request(slot, params(member))
     meta = torch.empty(4, dtype=torch.long, device="meta")

@@ -53,8 +53,8 @@ class VLLMBackend(TransformersBackend):
         group.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
                            help=f"vllm: requests scheduled at once (a question is N+1; default {DEFAULTS.max_num_seqs})")
         group.add_argument("--tensor-parallel-size", type=int, default=DEFAULTS.tensor_parallel_size,
-                           help="vllm: GPUs one model is split over (only 1: the trace cannot come back from other "
-                                "processes)")
+                           help="vllm: GPUs (on a CPU build: ranks) one model is split over; its attention heads "
+                                "must divide by it")
         group.add_argument("--kv-transfer-config", default=DEFAULTS.kv_transfer_config, metavar="FILE",
                            help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
                                 "to keep document KV beyond GPU memory and restarts")

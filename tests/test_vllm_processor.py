@@ -150,3 +150,41 @@ def test_v2_step_reads_no_device_tensor_of_the_context():
     logits = torch.randn(4, 20)
     processor.apply(logits, ctx)
     assert (logits.isfinite().sum(dim=1) == 1).all()
+
+
+@needs_vllm
+def test_a_group_enters_the_scheduler_whole():
+    """The engine core may step between two of a question's adds; the scheduler holds a group's
+    requests until all N+1 have arrived, then adds them in member order. Aborting a held request
+    drops it; requests of no group pass straight through."""
+    from pced.backends.vllm.admission import GroupAdmission, scheduler_class
+
+    class Recorded:  # what vLLM's scheduler receives, past the mixin
+        def __init__(self):
+            self.added, self.finished = [], []
+
+        def add_request(self, request):
+            self.added.append(request.request_id)
+
+        def finish_requests(self, request_ids, status):
+            self.finished.append(request_ids)
+            return []
+
+    class Held(GroupAdmission, Recorded):
+        pass
+
+    def request(rid, member=None):
+        return SimpleNamespace(request_id=rid, sampling_params=params(member))
+
+    scheduler, group, other = Held(), members("g"), members("h")
+    scheduler.add_request(request("prefill"))
+    for m in (2, 0, 3):
+        scheduler.add_request(request(f"g-{m}", group[m]))
+    scheduler.add_request(request("h-0", other[0]))
+    assert scheduler.added == ["prefill"] and set(scheduler.held) == {"g", "h"}
+    scheduler.add_request(request("g-1", group[1]))
+    assert scheduler.added == ["prefill", "g-0", "g-1", "g-2", "g-3"] and set(scheduler.held) == {"h"}
+    scheduler.finish_requests(["h-0"], None)
+    assert scheduler.held == {} and scheduler.finished == [["h-0"]]
+    assert scheduler_class(False).endswith("admission.GroupScheduler")
+    assert scheduler_class(True).endswith("admission.AsyncGroupScheduler")

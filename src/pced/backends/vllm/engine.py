@@ -84,6 +84,8 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
+    from .admission import scheduler_class  # imports vLLM's scheduler
+
     cuda = current_platform.is_cuda_alike()
     resolved = settings.for_platform(cuda=cuda)
     args = dict(model=str(model_dir), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, **resolved.engine_args())
@@ -91,6 +93,7 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)
         probe["kv_transfer_config"] = KVTransferConfig(**probe["kv_transfer_config"])
     config = EngineArgs(**probe).create_engine_config()
+    args["scheduler_cls"] = scheduler_class(config.scheduler_config.async_scheduling)  # a group enters whole
     if settings.enable_chunked_prefill is None and not config.use_v2_model_runner:
         # the V1 runner samples a row for a half-prefilled request like any other and drops its token
         # afterwards (v1/worker/gpu_model_runner.py:2186-2189); its logits processors see only the

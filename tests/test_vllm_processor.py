@@ -11,7 +11,7 @@ import torch
 
 from helpers.host_reads import HostReads
 from pced.backends.vllm import channel
-from pced.backends.vllm.groups import GroupMember, GroupTable, Row, apply_groups
+from pced.backends.vllm.groups import GroupMember
 from pced.backends.vllm.processor import PCEDLogitsProcessor, PCEDLogitsProcessorV2, processor_class
 from pced.rule import ContrastiveRule, RuleConfig
 
@@ -109,30 +109,35 @@ def test_an_abandoned_question_leaves_and_the_others_go_on():
 
 @pytest.mark.parametrize("count", [1, 2, 4])
 def test_one_host_read_per_step_whatever_the_number_of_groups(count):
-    """Steps of 1, 2 and 4 groups through the V1 processor: the first step (betas learned), a step
-    with frozen betas, a step with a lagging member beside the frontier: one read of the device each
-    (``.tolist()`` of the decided tokens and winners), counted by ``helpers.host_reads``. A step
-    whose rows all replay the tape reads nothing."""
+    """Steps of 1, 2 and 4 groups through the V1 processor, as vLLM drives it (``update_state``,
+    then ``apply``): the first step (betas learned), a step with frozen betas, a step where one
+    expert of every group lags (it missed step 1 and replays token 1 while the others decide token
+    2): one read of the device each, the ``.tolist()`` of the decided tokens and winners, counted by
+    ``helpers.host_reads``. A step whose rows all replay the tape reads nothing."""
     groups = [members(f"g{i}") for i in range(count)]
     batch = [m for g in groups for m in g]
-    table = GroupTable()
-    for member in batch:
-        table.join(member)
+    outputs = [[] for _ in batch]
+    processor = processor_class(v2=False)()
+    processor.update_state(SimpleNamespace(removed=[], moved=[],
+                                           added=[(i, params(m), [1], outputs[i]) for i, m in enumerate(batch)]))
+    lagging = {i for i, m in enumerate(batch) if m.member == len(RELEVANCE)}
     reads = []
-    for step in range(2):
+    for step in range(3):
+        logits = torch.randn(len(batch), 2048)
         with HostReads() as counted:
-            apply_groups(torch.randn(len(batch), 2048), [Row(i, m, step) for i, m in enumerate(batch)], table)
+            processor.apply(logits)
         reads.append(counted.events)
-    # step 2: the last expert of every group lags (replays token 1) while the others decide token 2
-    with HostReads() as counted:
-        apply_groups(torch.randn(len(batch), 2048),
-                     [Row(i, m, 1 if m.member == len(RELEVANCE) else 2) for i, m in enumerate(batch)], table)
-    reads.append(counted.events)
+        for i in range(len(batch)):
+            if not (step == 1 and i in lagging):  # step 1: the lagging experts' tokens are not emitted yet
+                outputs[i].append(int(logits[i].argmax()))
     assert reads == [["tolist"]] * 3
-    with HostReads() as counted:  # every row replays token 0
-        apply_groups(torch.randn(len(batch), 2048), [Row(i, m, 0) for i, m in enumerate(batch)], table)
+    for i in range(len(batch)):  # every row a step behind the tape: a replay, no decision
+        del outputs[i][1:]
+    with HostReads() as counted:
+        processor.apply(torch.randn(len(batch), 2048))
     assert counted.count == 0
-    assert all(table.get(g[0].group).degraded == 1 and table.get(g[0].group).complete == 2 for g in groups)
+    assert all(processor.table.get(g[0].group).complete == 2 and processor.table.get(g[0].group).degraded == 1
+               for g in groups)
 
 
 @needs_vllm

@@ -91,7 +91,7 @@ class VLLMBackend(TransformersBackend):
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
         from .engine import TapeScoring
 
-        return TapeScoring(rows.decisions, candidates, rule)
+        return TapeScoring(rows.betas, candidates, rule)
 
     # -- serving --------------------------------------------------------------------------
     def warm_up(self, store: Any, settings: VLLMSettings) -> dict:

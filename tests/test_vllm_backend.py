@@ -93,15 +93,17 @@ def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_store,
 
 
 def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store):
-    """Tensor parallelism on the CPU build (one core per rank here): the same answers, traces and
-    betas as one rank and as the transformers backend; the processor decides on both ranks and the
-    trace comes back from rank 0."""
+    """Tensor parallelism on the CPU build (one core per rank here): the same answers and traces as
+    one rank and as the transformers backend; the processor decides on both ranks and the trace
+    comes back from rank 0. The betas agree to float32 rounding: two ranks compute the logits with
+    row-parallel layers that sum in another order (all-reduce)."""
     one, two = compare(tiny_store, {"tensor_parallel_size": 1}), compare(tiny_store, {"tensor_parallel_size": 2})
     assert len(one) == len(two) == 3
     same_as_transformers(one)
     same_as_transformers(two)
     assert [r["vllm"]["trace"] for r in one] == [r["vllm"]["trace"] for r in two]
-    assert [r["vllm"]["beta"] for r in one] == [r["vllm"]["beta"] for r in two]  # bit for bit across ranks
+    for first, second in zip(one, two):
+        assert second["vllm"]["beta"] == pytest.approx(first["vllm"]["beta"], abs=1e-5)
 
 
 def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):

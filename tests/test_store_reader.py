@@ -77,8 +77,8 @@ def test_a_reader_opening_between_the_index_files_being_written_sees_the_old_sta
     seen = []
     original = writer.write_documents
 
-    def write_and_read(documents, path):
-        original(documents, path)
+    def write_and_read(documents, path, records=None):
+        original(documents, path, records)
         store = DocumentStore.open(root)  # a reader arriving now
         seen.append([d.id for d in store.documents])
         seen.append(store.retrieve("document", "dense", top_k=5, top_n=5, rerank=False)[0].document.id)

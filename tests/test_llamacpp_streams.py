@@ -65,6 +65,27 @@ def test_a_state_is_the_same_bytes_whichever_layout_encoded_it(tmp_path, models)
 
 
 @pytest.mark.slow
+def test_a_split_context_refuses_one_stream_bytes_until_their_stream_count_is_rewritten(tmp_path, models):
+    """Why a stored state restored into a split context read 0 bytes: the bytes count the streams of the
+    cache that wrote them, and llama.cpp refuses another count. ``set_state`` rewrites it."""
+    import ctypes
+
+    split, _ = models
+    store = _store(split, tmp_path / "states")
+    state = store.load(store.add([DOC])[0])
+    data = np.ascontiguousarray(state.data)
+    with split.lock:
+        ctx = split.context(512, 2)
+        assert ctx.n_stream > 1
+        pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        assert split.lib.llama_state_seq_set_data(ctx.handle, pointer, data.size, 1) == 0
+        ctx.set_state(1, state.data)
+        restored, stored = cells.parse(ctx.get_state(1)).caches[0], state.cells.caches[0]
+    assert np.array_equal(restored.positions, stored.positions)
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(restored.layers, stored.layers))
+
+
+@pytest.mark.slow
 def test_rows_in_streams_of_their_own_compute_what_one_unified_cache_computes(tmp_path, models):
     """Exact, at every step: a row attends to the same cells in the same order, its own; in one
     unified cache it also walks past every other row's (masked) cells."""
@@ -76,6 +97,23 @@ def test_rows_in_streams_of_their_own_compute_what_one_unified_cache_computes(tm
     assert got[0].shape == (4, split.n_vocab)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_row_restored_into_its_stream_is_its_prompt_decoded_as_one_sequence(tmp_path, models):
+    """Every row of a prefill (prefix restored into each stream, joined to the document's stored cells)
+    gives exactly the logits of its whole prompt decoded from tokens as the only sequence of a context."""
+    split, _ = models
+    store = _store(split, tmp_path / "states")
+    builder = store.builder
+    rows = _answer_logits(split, store, [OTHER, DOC], [])[0]
+    prompts = [builder.prefix_ids + builder.suffix_ids(QUESTION, with_context=False)] + [
+        builder.prefix_ids + builder.encode(builder.context_text([d])) + builder.suffix_ids(QUESTION) for d in (OTHER, DOC)]
+    for row, prompt in enumerate(prompts):
+        with split.lock:
+            ctx = split.context(len(prompt), 1)
+            alone = ctx.decode(prompt, range(len(prompt)), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])[0]
+        assert torch.equal(rows[row], alone)
 
 
 @pytest.mark.slow

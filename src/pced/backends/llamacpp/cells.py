@@ -65,10 +65,6 @@ class SeqCells:
     header: np.ndarray
     caches: list[Cells | None]
 
-    @property
-    def n_tokens(self) -> int:
-        return max((c.n for c in self.caches if c is not None), default=0)
-
 
 def _u32(data: np.ndarray, offset: int) -> int:
     if offset + 4 > data.size:

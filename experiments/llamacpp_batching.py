@@ -34,7 +34,8 @@ def main() -> None:
     llm = LlamaModel(None, LlamaSettings(threads=args.threads))
     counts = [int(q) for q in args.questions.split(",")]
     rows = (args.k + 1) * max(counts)
-    ctx = llm.context(rows * (args.doc_tokens + args.repeats + 8), rows)
+    row_cells = args.doc_tokens + 2 * args.repeats * len(counts) + 8  # every count steps a row twice per repeat at most
+    ctx = llm.context(rows * row_cells, rows, seq_cells=row_cells)
     generator = torch.Generator().manual_seed(0)
     for seq in range(rows):  # each row's context: doc_tokens random tokens
         ids = torch.randint(100, llm.n_vocab - 100, (args.doc_tokens,), generator=generator).tolist()

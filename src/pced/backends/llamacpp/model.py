@@ -6,11 +6,12 @@ on every backend; a GGUF without a template, a base model, gets a plain-text one
 ``eos_token_ids()``, ``name``, ``fingerprint``, ``tokenizer_hash`` and ``max_context``. The weights stay as the file ships them (Q4_1 for the embedded model): llama.cpp
 computes on them directly.
 
-``LlamaContext`` is one llama.cpp context with a unified KV cache: sequences are rows (sequence 0
-the amateur, one per expert), ``decode`` runs one ``llama_batch`` of (token, position, sequence)
-entries and returns the logits of those that asked for them, and a sequence's cells can be
-copied (``seq_cp``: the shared prefix, no memory copied), removed, saved and restored
-(``state_seq_get_data`` / ``set_data``).
+``LlamaContext`` is one llama.cpp context whose sequences are rows (sequence 0 the amateur, one per
+expert), each in a KV stream of its own (or, with ``LlamaModel.split_streams`` off, all in one
+unified cache); ``decode`` runs one ``llama_batch`` of (token, position, sequence) entries and
+returns the logits of those that asked for them, and a sequence's cells can be copied (``seq_cp``),
+removed, saved and restored (``state_seq_get_data`` / ``set_data``, in one byte layout whatever the
+context's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ...fingerprint import files_fingerprint
 from ...llm import ModelLoadError, cache_root, tokenizer_hash
+from . import cells as state_cells
 from .settings import LlamaSettings
 
 GGUF_MAGIC = b"GGUF"
@@ -131,6 +133,12 @@ class LlamaModel:
     # experiments/llamacpp_state_sizes.py); the plain layout computes every row alike. A class
     # attribute, not an option: the exact contracts (restore, greedy, joins) need it off.
     repack_weights = False
+    # One KV stream per sequence (kv_unified = false). In one unified cache every row's attention walks
+    # every cell in use, skipping the other rows' masked ones (ggml-cpu/ops.cpp:8967-8971; the cells
+    # walked: all in use, padded to 256, src/llama-kv-cache.cpp:1260-1274), so a step's attention grows
+    # with k x all rows' cells; in its own stream a row walks only its own cells. Also a class
+    # attribute: off, contexts are unified as before (experiments/llamacpp_streams.py compares the two).
+    split_streams = True
 
     def __init__(self, model: str | os.PathLike | None = None, settings: LlamaSettings = LlamaSettings()):
         from ...options import EMBEDDED_NAME, is_embedded
@@ -184,18 +192,27 @@ class LlamaModel:
     def threads(self) -> int:
         return self.settings.threads or torch.get_num_threads()
 
-    def context(self, cells: int, sequences: int, role: str = "decode") -> "LlamaContext":
+    def context(self, cells: int, sequences: int, role: str = "decode", seq_cells: int | None = None) -> "LlamaContext":
         """The model's context for ``role`` ("decode": the question's rows; "encode": documents
         being stored, so that a document encoded mid-answer leaves the rows alone), with room for
-        ``cells`` KV cells and ``sequences`` sequences (made again, larger, when a question needs
-        more; emptied either way). Callers hold ``lock``."""
+        ``cells`` KV cells in all, ``sequences`` sequences and ``seq_cells`` cells in the longest
+        sequence (default ``cells``: a stream of its own holds one sequence's cells only). Made again,
+        larger, when a question needs more; emptied either way. Callers hold ``lock``."""
         ctx = self._contexts.get(role)
-        if ctx is None or ctx.n_ctx < cells or ctx.n_seq < sequences or ctx.threads != self.threads:
+        split = self.split_streams
+        longest = min(cells, seq_cells) if seq_cells else cells
+        fits = ctx is not None and ctx.split == split and ctx.n_seq >= sequences and ctx.threads == self.threads \
+            and (ctx.seq_cells >= longest if split else ctx.n_ctx >= cells)
+        if not fits:
             if ctx is not None:
                 ctx.free()
                 del self._contexts[role]
-            n_ctx = max(4096, 1 << (max(cells, 1) - 1).bit_length())
-            self._contexts[role] = ctx = LlamaContext(self, n_ctx, max(sequences, 32), self.threads)
+            if split:  # streams in eights and cells in 512s: a question a little larger reuses the context
+                n_seq = -(-max(sequences, 1) // 8) * 8
+                n_ctx = n_seq * (-(-max(longest, 1) // 512) * 512)
+            else:
+                n_seq, n_ctx = max(sequences, 32), max(4096, 1 << (max(cells, 1) - 1).bit_length())
+            self._contexts[role] = ctx = LlamaContext(self, n_ctx, n_seq, self.threads, split)
         ctx.clear()
         return ctx
 
@@ -215,11 +232,12 @@ def _package_version() -> str:
 
 
 class LlamaContext:
-    """One llama.cpp context: a unified KV cache shared by ``n_seq`` sequences."""
+    """One llama.cpp context of ``n_seq`` sequences: each in a KV stream of ``seq_cells`` cells
+    (``split``), or all in one unified cache of ``n_ctx`` cells."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_seq: int, threads: int):
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq: int, threads: int, split: bool = False):
         lib = self.lib = model.lib
-        self.model, self.n_ctx, self.n_seq, self.threads = model, n_ctx, n_seq, threads
+        self.model, self.n_ctx, self.n_seq, self.threads, self.split = model, n_ctx, n_seq, threads, split
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch, params.n_ubatch = model.settings.batch_tokens, model.settings.ubatch_tokens
@@ -228,11 +246,15 @@ class LlamaContext:
         params.type_k = params.type_v = GGML_TYPES[model.settings.cache_type]
         # flash attention always: a q8_0 V cache needs it, and a state's layout depends on it (V transposed without)
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.kv_unified = True  # one pool of cells for every sequence: a shared prefix is stored once
+        params.kv_unified = not split
         params.no_perf = True
         self.handle = lib.llama_init_from_model(model.handle, params)
         if not self.handle:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells and {n_seq} sequences")
+        # a split context has n_seq streams of n_ctx / n_seq cells each (src/llama-context.cpp:292-304;
+        # one stream per sequence: src/llama-kv-cache.cpp:84), which its state bytes count (:2073)
+        self.n_stream = n_seq if split else 1
+        self.seq_cells = int(lib.llama_n_ctx_seq(self.handle))
         self.memory = lib.llama_get_memory(self.handle)
         self.n_vocab = model.n_vocab
         self._batch = None
@@ -250,24 +272,43 @@ class LlamaContext:
         self.lib.llama_memory_clear(self.memory, True)
 
     def seq_cp(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
-        self.lib.llama_memory_seq_cp(self.memory, source, target, start, end)
+        """Give ``target`` the cells of ``source`` at positions [start, end). In one unified cache the
+        cells are shared (no memory copied). Across streams llama.cpp copies whole stream buffers, for
+        full ranges only (it asserts otherwise: src/llama-kv-cache.cpp:494-512), and overwrites the
+        target's cells: here the range's cells are copied through their state bytes and join the
+        target's, in position order."""
+        if not self.split or source == target:
+            self.lib.llama_memory_seq_cp(self.memory, source, target, start, end)
+            return
+        moved = state_cells.between(self.get_state(source), start, end)
+        self._set(target, state_cells.join(self.get_state(target), moved, self.n_stream))
 
     def seq_rm(self, seq: int, start: int = -1, end: int = -1) -> None:
         if not self.lib.llama_memory_seq_rm(self.memory, seq, start, end):
             raise RuntimeError(f"llama.cpp could not remove cells [{start}, {end}) of sequence {seq}")
 
     def get_state(self, seq: int) -> np.ndarray:
-        """Sequence ``seq``'s KV cells (positions, keys, values) as llama.cpp serializes them."""
+        """Sequence ``seq``'s KV cells (positions, keys, values) as llama.cpp serializes them for a
+        one-stream context, whatever this context's streams: the bytes of a state do not depend on the
+        layout that computed it."""
         size = int(self.lib.llama_state_seq_get_size(self.handle, seq))
         data = np.empty(size, dtype=np.uint8)
         written = int(self.lib.llama_state_seq_get_data(self.handle, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                                         size, seq))
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {seq}'s state")
-        return data
+        return state_cells.restream(data, 1) if self.n_stream > 1 else data
 
     def set_state(self, seq: int, data: np.ndarray) -> None:
         """Restore a state into sequence ``seq`` (whatever it held is removed first)."""
+        self._set(seq, state_cells.restream(data, self.n_stream) if self.n_stream > 1 else data)
+
+    def set_states(self, seq: int, first: np.ndarray | state_cells.SeqCells, second: np.ndarray) -> None:
+        """Restore two states' cells (a prefix's and a document's) into sequence ``seq`` in one restore:
+        each restore first removes the sequence's cells (src/llama-kv-cache.cpp:2354)."""
+        self._set(seq, state_cells.join(first, second, self.n_stream))
+
+    def _set(self, seq: int, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data, dtype=np.uint8)
         read = int(self.lib.llama_state_seq_set_data(self.handle, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                                      data.size, seq))

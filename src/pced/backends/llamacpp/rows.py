@@ -1,11 +1,15 @@
 """Rows of a GGUF model on llama.cpp: the llamacpp backend of ``decoding.Rows``.
 
 Sequence 0 is the amateur (prefix + question), sequence k the expert of document k
-(prefix + document_k + question), in one context with a unified KV cache::
+(prefix + document_k + question), each in a KV stream of its own (``LlamaModel.split_streams``)::
 
-    prefix cells         restored once into sequence 0 and shared with every expert (seq_cp)
-    document k's cells   restored from its stored state into sequence k (positions P..P+L_k-1)
+    prefix cells         restored from the stored prefix into every row's stream
+    document k's cells   restored from its stored state into sequence k (positions P..P+L_k-1),
+                         joined to the prefix's in the same restore (``restore_expert``)
     suffix, answer       every row's own cells, decoded together: one llama_batch per token
+
+A row's attention then walks its own cells only. In one unified cache (split streams off) the
+prefix is restored once and shared, and every row walks every row's cells.
 
 Each row's positions continue its own sequential prompt, so every expert sees exactly
 prefix + document_k + suffix + generated, as on the transformers backend.
@@ -21,7 +25,7 @@ import torch
 from ...decoding import Rows
 from ...errors import UserError
 from .model import LlamaModel
-from .states import SeqState, restore_prefix
+from .states import SeqState, restore_expert, restore_prefix
 
 
 class LlamaExpertRows(Rows):
@@ -47,6 +51,22 @@ class LlamaExpertRows(Rows):
         """Keep room in the context for ``tokens`` more cells (documents that may join, with their catch-up)."""
         self.extra_cells = tokens
 
+    def _join_streams(self, seq_cells: int) -> int:
+        """Sequences kept free for joins: the reserved cells in rows as long as the longest row (in one
+        unified cache, 64 as before). A join that finds none free, or too short, grows the context."""
+        if not self.llm.split_streams:
+            return 64
+        return min(64, -(-self.extra_cells // seq_cells)) if self.extra_cells else 0
+
+    def _grow(self, sequences: int, seq_cells: int) -> None:
+        """A larger context mid-answer: every row's cells saved and restored into it. A restored state
+        gives exactly the cells it was saved from, in the same order, so no row's numbers move."""
+        held = [self.ctx.get_state(seq) for seq in range(len(self.position))]
+        total = sum(self.position) + seq_cells + self.extra_cells
+        self.ctx = self.llm.context(total, sequences, seq_cells=max(seq_cells, self.ctx.seq_cells))
+        for seq, data in enumerate(held):
+            self.ctx.set_state(seq, data)
+
     def prefill(self) -> torch.Tensor:
         started = time.perf_counter()
         states = [load() for load in self.loaders]
@@ -58,13 +78,14 @@ class LlamaExpertRows(Rows):
                 + self.max_new_tokens > self.llm.max_context:
             raise UserError(f"a document with the question and {self.max_new_tokens} new tokens exceeds the "
                              f"model's {self.llm.max_context}-token window")
+        longest = max([p + len(self.amateur_suffix_ids)] + [p + s.n_tokens + len(self.suffix_ids) for s in states]) \
+            + self.max_new_tokens
         self.llm.lock.acquire()
         self._locked = True
-        self.ctx = ctx = self.llm.context(cells, rows + 64)
+        self.ctx = ctx = self.llm.context(cells, rows + self._join_streams(longest), seq_cells=longest)
         restore_prefix(ctx, self.prefix)
         for seq, state in enumerate(states, start=1):
-            ctx.set_state(seq, state.data)
-            ctx.seq_cp(0, seq, 0, p)
+            restore_expert(ctx, seq, self.prefix, state)
         self.timings["cache_load_s"] = time.perf_counter() - started
         self.stats.update(experts=len(states), context_tokens=sum(s.n_tokens for s in states),
                           state_bytes=sum(s.nbytes for s in states))
@@ -95,12 +116,14 @@ class LlamaExpertRows(Rows):
         if len(generated) < self.fed:
             raise ValueError(f"join: {self.fed} tokens were generated, {len(generated)} given")
         seq = len(self.position)
+        p = self.prefix.n_tokens
+        tail = self.suffix_ids + list(generated[: self.fed])
+        needed = p + state.n_tokens + len(tail) + self.max_new_tokens - self.fed
+        if self.ctx.split and (seq >= self.ctx.n_seq or needed > self.ctx.seq_cells):
+            self._grow(seq + 1, needed)
         if seq >= self.ctx.n_seq:
             raise ValueError(f"join: the context holds {self.ctx.n_seq} sequences")
-        p = self.prefix.n_tokens
-        self.ctx.set_state(seq, state.data)
-        self.ctx.seq_cp(0, seq, 0, p)
-        tail = self.suffix_ids + list(generated[: self.fed])
+        restore_expert(self.ctx, seq, self.prefix, state)
         start = p + state.n_tokens
         self.ctx.decode(tail, range(start, start + len(tail)), [seq] * len(tail), [False] * len(tail))
         self.position.append(start + len(tail))

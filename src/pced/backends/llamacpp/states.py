@@ -13,7 +13,10 @@ sequence (cell positions, then each layer's keys and values in the context's cac
 metadata: the identity above, the content hash, the token count and a CRC-32 of the bytes,
 checked on every load. A document's state is encoded as prefix + document in one sequence, then
 the prefix's cells are dropped from it (``seq_rm``) before it is saved: each question restores
-the prefix once into sequence 0 and shares it with every expert by ``seq_cp``.
+the prefix into sequence 0 (the amateur) and, joined to each document's cells, into each expert's
+KV stream in one restore (``restore_expert``). The bytes are those of a one-stream context whatever
+the context that encoded them (``LlamaContext.get_state``), so states stored before contexts had a
+stream per sequence still load.
 Files are written atomically (``pced.fs``) and named by content, so re-indexing skips what is stored.
 
 On demand (``on_demand``, or a ``budget_bytes``: a store indexed with ``--kv-budget-gb``, the
@@ -36,6 +39,7 @@ from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
 from ...kv.budget import CacheUse
 from ...kv.format import CacheError, content_hash, mmap_safetensors, tensor_checksum
 from ...prompts import PromptBuilder
+from . import cells as state_cells
 from .model import LlamaContext, LlamaModel
 
 FORMAT_VERSION = 1
@@ -51,10 +55,18 @@ class SeqState:
 
     def __init__(self, data: np.ndarray, n_tokens: int):
         self.data, self.n_tokens = data, n_tokens
+        self._cells: state_cells.SeqCells | None = None
 
     @property
     def nbytes(self) -> int:
         return int(self.data.size)
+
+    @property
+    def cells(self) -> state_cells.SeqCells:
+        """The state's cells, parsed once (the prefix's are joined to every expert's)."""
+        if self._cells is None:
+            self._cells = state_cells.parse(self.data)
+        return self._cells
 
 
 class StateStore:
@@ -187,17 +199,35 @@ def restore_prefix(ctx: LlamaContext, prefix: SeqState) -> None:
     ctx.set_state(0, prefix.data)
 
 
+def restore_expert(ctx: LlamaContext, seq: int, prefix: SeqState, state: SeqState | None = None) -> None:
+    """Sequence ``seq`` holds the prefix's cells, then the document's (``state``; None: the prefix
+    alone). In streams of their own, the prefix's stored bytes and the document's go into the row's
+    stream in one restore, in the order a fresh decode of prefix + document fills it: no stream
+    buffer is copied (llama.cpp's cross-stream ``seq_cp`` copies whole buffers). In one unified
+    cache, the prefix restored into sequence 0 is shared (``seq_cp``, no memory copied)."""
+    if ctx.split:
+        if state is None:
+            ctx.set_state(seq, prefix.data)
+        else:
+            ctx.set_states(seq, prefix.cells, state.data)
+        return
+    if state is not None:
+        ctx.set_state(seq, state.data)
+    ctx.seq_cp(0, seq, 0, prefix.n_tokens)
+
+
 def encode_states(llm: LlamaModel, prefix: SeqState, documents: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Each document's cells as a sequence state: prefix (restored) + document in sequence i + 1,
     all documents in one batch, then the prefix's cells dropped from each before it is saved."""
     p = prefix.n_tokens
-    ctx = llm.context(p + sum(map(len, documents)), len(documents) + 1, role="encode")
+    ctx = llm.context(p + sum(map(len, documents)), len(documents) + 1, role="encode",
+                      seq_cells=p + max(map(len, documents), default=0))
     restore_prefix(ctx, prefix)
     tokens, positions, seqs = [], [], []
     for i, ids in enumerate(documents):
         if not ids:
             raise ValueError("a document has no tokens")
-        ctx.seq_cp(0, i + 1, 0, p)
+        restore_expert(ctx, i + 1, prefix)
         tokens += ids
         positions += range(p, p + len(ids))
         seqs += [i + 1] * len(ids)

@@ -56,12 +56,22 @@ class VLLMBackend(TransformersBackend):
                            help="vllm: GPUs (on a CPU build: ranks) one model is split over; its attention heads "
                                 "must divide by it")
         group.add_argument("--kv-transfer-config", default=DEFAULTS.kv_transfer_config, metavar="FILE",
-                           help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
-                                "to keep document KV beyond GPU memory and restarts")
+                           help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading); "
+                                "replaces pced's own connector (--store-kv)")
+        group.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=DEFAULTS.store_kv,
+                           help="vllm: read documents' KV from the store's caches, so only the question is prefilled "
+                                f"(default {'on' if DEFAULTS.store_kv else 'off'}); off: vLLM prefills prefix and "
+                                "documents itself")
+        group.add_argument("--kv-cache-gb", type=float, default=DEFAULTS.kv_cache_gb, metavar="GiB",
+                           help="vllm: the engine's KV cache size (default: from --gpu-memory-utilization)")
+        if command == "serve":
+            group.add_argument("--warm-up", action="store_true", default=DEFAULTS.warm_up,
+                               help="vllm: prefill every stored document into vLLM's prefix cache at start (not needed "
+                                    "with --store-kv: documents are read from the store when first asked for)")
 
     def settings_from_args(self, args: argparse.Namespace) -> VLLMSettings:
         names = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "kv_transfer_config",
-                 "enforce_eager", "max_model_len", "max_num_batched_tokens")
+                 "enforce_eager", "max_model_len", "max_num_batched_tokens", "store_kv", "kv_cache_gb", "warm_up")
         given = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if hasattr(args, "vllm_dtype"):
             given["dtype"] = args.vllm_dtype
@@ -86,7 +96,7 @@ class VLLMBackend(TransformersBackend):
         from .engine import EngineRows, shared_engine
 
         return EngineRows(shared_engine(generator.llm.path, generator.settings), generator.builder, candidates,
-                          question, rule, sampling)
+                          question, rule, sampling, store=generator.caches)  # the engine reads the documents' KV there
 
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
         from .engine import TapeScoring
@@ -95,13 +105,20 @@ class VLLMBackend(TransformersBackend):
 
     # -- serving --------------------------------------------------------------------------
     def warm_up(self, store: Any, settings: VLLMSettings) -> dict:
-        """Start the engine and prefill every stored document into its prefix cache."""
+        """Start the engine; with ``settings.warm_up`` also prefill every stored document into its
+        prefix cache (with ``store_kv`` a document is read from the store when first asked for)."""
         from .engine import shared_engine
 
         generator = store.generator_for(self, settings)
         engine = shared_engine(generator.llm.path, settings)
+        if not settings.warm_up:
+            source = ("documents' KV read from the store's caches" if engine.reads_store
+                      else "documents prefilled by vLLM when first asked for")
+            return {"engine_start_s": engine.start_s, "warm_up_tokens": 0, "reads_store": engine.reads_store,
+                    "message": f"vLLM engine started in {engine.start_s:.1f} s; {source}"}
         tokens = engine.warm_up(generator.builder, [d.render() for d in store.documents])
         return {"engine_start_s": engine.start_s, "warm_up_tokens": tokens, "warm_up_s": engine.warm_up_s,
+                "reads_store": engine.reads_store,
                 "message": f"vLLM engine started in {engine.start_s:.1f} s; {len(store.documents)} documents "
                            f"({tokens} tokens) prefilled into its prefix cache in {engine.warm_up_s:.1f} s"}
 

@@ -70,6 +70,7 @@ class PCEDStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._planned: dict[str, StoreLoad] = {}  # scheduler: loads of the step being scheduled
         self._supplied: dict[str, int] = {}  # scheduler: tokens the store supplied, by request
+        self._loaded: dict[str, list[tuple[set[int], int]]] = {}  # scheduler: each load's blocks and tokens
         self._layers: list[tuple[int, Any]] = []  # worker: (layer index, attention layer)
         self._heads: slice | None = None
         self._failed_blocks: set[int] = set()
@@ -91,13 +92,28 @@ class PCEDStoreConnector(KVConnectorBase_V1):
         self._planned[request.request_id] = StoreLoad(request.request_id, spec, spec.tokens - num_external_tokens,
                                                       list(block_ids))
         self._supplied[request.request_id] = self._supplied.get(request.request_id, 0) + num_external_tokens
+        first, last = (spec.tokens - num_external_tokens) // self.block_size, (spec.tokens - 1) // self.block_size
+        self._loaded.setdefault(request.request_id, []).append((set(block_ids[first:last + 1]), num_external_tokens))
 
     def build_connector_meta(self, scheduler_output) -> StoreLoads:
         meta = StoreLoads(self.block_size, list(self._planned.values()))
         self._planned.clear()
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        """A load the workers could not make (its blocks reported invalid) supplied nothing: vLLM
+        recomputes those tokens (``scheduler.py:3356-3430``), and the count says so."""
+        failed = connector_output.invalid_block_ids
+        if not failed:
+            return
+        for request_id, loads in self._loaded.items():
+            for blocks, tokens in loads:
+                if blocks & failed:
+                    self._supplied[request_id] -= tokens
+                    blocks.clear()  # counted once
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        self._loaded.pop(request.request_id, None)
         supplied = self._supplied.pop(request.request_id, 0)
         if StoreSpec.from_params(request.kv_transfer_params) is None:
             return False, None

@@ -6,10 +6,19 @@ writer, ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)``, 
 the forward pass would have computed, exactly as the forward hands them
 (``model_executor/layers/attention/attention.py:724-746``, ``unified_kv_cache_update``): key and
 value as ``[tokens, kv_heads, head_size]`` (the layer views them so: ``attention.py:535-538``) and
-one flat slot per token. So every layout, ISA and cache dtype a backend has is its own business
-(the CPU build's pages, ``v1/attention/backends/cpu_attn.py:464-489``; FlashAttention's
-``[blocks, block_size, heads, head_size]`` halves, ``flash_attn.py:1430-1460``; an fp8 cache's
-scales), and a segment arrives as the forward's own output would.
+one flat slot per token. So every layout, ISA and cache dtype a backend has stays its own business,
+and a segment arrives as the forward's own output would:
+
+- the CPU build (``CPU_ATTN``) views a (block, head) page as ``[2 * block_size, head_size]``, keys
+  in the first half and values in the second (``v1/attention/backends/cpu_attn.py:411-416``), and
+  its writer (``:464-489``, ``cpu_attn_reshape_and_cache``) lays them out per ISA: with AVX-512
+  (``vec``) a block's keys are stored channel-major, ``[head_size, block_size]``, its values
+  token-major (measured: key[t, c] at page element ``c * block_size + t``), other ISAs (AMX, NEON)
+  their own way;
+- FlashAttention (``FLASH_ATTN``) and Triton read a block as ``[block_size, heads, 2 * head_size]``,
+  key then value (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``: ``flash_attn.py:1252``,
+  ``:1443``; ``triton_attn.py:796``), written by ``reshape_and_cache_flash`` (``flash_attn.py:1430-1460``),
+  an fp8 cache scaled on the way in.
 
 With tensor parallelism each rank holds some of the KV heads: rank r holds shard ``r // replicas``
 of ``max(1, heads // tp)`` heads, where ``replicas = max(1, tp // heads)``

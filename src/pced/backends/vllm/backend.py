@@ -123,12 +123,19 @@ class VLLMBackend(TransformersBackend):
                            f"({tokens} tokens) prefilled into its prefix cache in {engine.warm_up_s:.1f} s"}
 
     def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
-        """The engine started and every document prefilled into its prefix cache, as ``warm_up`` does."""
+        """The engine started (no warm-up: with ``store_kv`` the documents come from the store)."""
         from .engine import shared_engine
 
         engine = shared_engine(generator.llm.path, generator.settings)
-        engine.warm_up(generator.builder, documents)
-        return {"engine_start_s": engine.start_s, "warm_up_s": engine.warm_up_s}
+        return {"engine_start_s": engine.start_s, "reads_store": engine.reads_store}
+
+    def bench_forget(self, generator: Any) -> None:
+        """Empty the engine's prefix cache (``LLM.reset_prefix_cache``: vllm/entrypoints/llm.py:829-834),
+        between questions, while the engine's thread waits for work (no step is running)."""
+        from .engine import shared_engine
+
+        if not shared_engine(generator.llm.path, generator.settings).loop.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to empty its prefix cache (requests still running)")
 
     def work_shape(self, generator: Any) -> Any:
         """The torch model's work with its weights, keys and values in the engine's dtype (the
@@ -147,8 +154,9 @@ class VLLMBackend(TransformersBackend):
                        described_as=f"{dtype} weights {weights / 1e9:.3f} GB, {dtype} KV {cell:,.0f} B/token")
 
     def bench_cache_bytes(self, generator: Any, files: list) -> int:
-        """Nothing: ``bench_prepare`` put every document in the engine's prefix cache."""
-        return 0
+        """The files, read through pced's connector (``store_kv``); nothing without it (vLLM
+        prefills the documents)."""
+        return super().bench_cache_bytes(generator, files) if generator.settings.store_kv else 0
 
     def health(self, generator: Any) -> dict:
         from .engine import running_engine

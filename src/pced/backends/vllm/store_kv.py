@@ -32,7 +32,7 @@ CONNECTOR_MODULE = "pced.backends.vllm.connector"
 
 def connector_config() -> dict:
     """The ``kv_transfer_config`` that loads pced's connector by module path (no vLLM patch or
-    registration: ``distributed/kv_transfer/kv_connector/factory.py:93-118``). It only reads
+    registration: ``distributed/kv_transfer/kv_connector/factory.py:103-118``). It only reads
     (``kv_consumer``). A file that fails to load is recomputed by vLLM, not failed
     (``kv_load_failure_policy``, ``config/kv_transfer.py:88``; ``v1/core/sched/scheduler.py:3237-3354``)."""
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",

@@ -91,3 +91,14 @@ def test_the_runner_is_asked_of_vllm_and_cuda_caps_the_window_and_the_prefill_bu
     assert args["max_model_len"] == 2048 and args["max_num_batched_tokens"] == 2048
     args, _ = engine_plan(str(tiny_model_dir), VLLMSettings(max_model_len=1024, max_num_batched_tokens=1536))
     assert args["max_model_len"] == 1024 and args["max_num_batched_tokens"] == 1536
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_settings_vllm_refuses_are_one_user_error(embedded_llm):
+    """A KV cache too small for one sequence of the model's window: vLLM's own check, said in one line."""
+    from pced.backends.vllm.engine import VLLMEngine
+    from pced.errors import UserError
+
+    with pytest.raises(UserError, match="vLLM refused these engine settings: To serve at least one request"):
+        VLLMEngine(embedded_llm.path, VLLMSettings(kv_cache_gb=0.01))

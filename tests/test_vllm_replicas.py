@@ -39,7 +39,7 @@ def store_dir(tmp_path_factory, embedded_llm):
 def start(store_dir, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pced.cli", "serve", str(store_dir), "--backend", "vllm",
-                                "--port", str(port), "--log-level", "warning", "--kv-cache-gb", "0.25"],
+                                "--port", str(port), "--log-level", "warning", "--kv-cache-gb", "0.5"],
                                stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PCED_API_KEY": ""})
     return process, f"http://127.0.0.1:{port}"
 

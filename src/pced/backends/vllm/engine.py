@@ -140,7 +140,11 @@ class VLLMEngine:
         self.processor = processor_class(self.v2_runner)
         # whether requests may name a store's caches (without a connector vLLM warns on every such request)
         self.reads_store = self.engine_args.get("kv_transfer_config", {}).get("kv_connector") == CONNECTOR
-        self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
+        try:
+            self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
+        except ValueError as exc:  # vLLM's checks of the settings (a KV cache too small for the window, ...)
+            reason = (str(exc).strip().strip('"').splitlines() or [repr(exc)])[0]
+            raise UserError(f"vLLM refused these engine settings: {reason}") from None
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0, "store_tokens": 0,
                          "degraded_steps": 0, "warm_up_tokens": 0}

@@ -132,7 +132,8 @@ def main() -> None:
     for index, start in enumerate(starts):
         ax.plot([0] + list(range(1, 1 + len(start["warm"]))), [start["first"]["ttft_s"]] + [w["ttft_s"] for w in start["warm"]],
                 "-o", label=f"start {index + 1}")
-    ax.set(xlabel="answer after the start (0: the first)", ylabel="TTFT s", title=f"restarted server, k={args.k}")
+    ax.set(xlabel="answer after the start (0: the first, documents from the store)", ylabel="TTFT s",
+           title=f"restarted server, k={args.k}", xticks=list(range(1 + args.warm)))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -132,10 +132,16 @@ class VLLMBackend(TransformersBackend):
     def bench_forget(self, generator: Any) -> None:
         """Empty the engine's prefix cache (``LLM.reset_prefix_cache``: vllm/entrypoints/llm.py:829-834),
         between questions, while the engine's thread waits for work (no step is running)."""
+        import time
+
         from .engine import shared_engine
 
-        if not shared_engine(generator.llm.path, generator.settings).loop.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to empty its prefix cache (requests still running)")
+        llm = shared_engine(generator.llm.path, generator.settings).loop.llm
+        deadline = time.monotonic() + 60
+        while not llm.reset_prefix_cache():  # refused while a request still holds blocks (an abort in flight)
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM refused to empty its prefix cache for a minute (requests still running)")
+            time.sleep(0.1)
 
     def work_shape(self, generator: Any) -> Any:
         """The torch model's work with its weights, keys and values in the engine's dtype (the

@@ -96,9 +96,10 @@ def test_the_runner_is_asked_of_vllm_and_cuda_caps_the_window_and_the_prefill_bu
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_settings_vllm_refuses_are_one_user_error(embedded_llm):
-    """A KV cache too small for one sequence of the model's window: vLLM's own check, said in one line."""
+    """A KV cache too small for one sequence of the model's window: vLLM's own check, said in one line
+    (its engine process logs vLLM's reason; pced's one line points at it)."""
     from pced.backends.vllm.engine import VLLMEngine
     from pced.errors import UserError
 
-    with pytest.raises(UserError, match="vLLM refused these engine settings: To serve at least one request"):
+    with pytest.raises(UserError, match="vLLM's engine failed to start; its reason is the error vLLM logged above"):
         VLLMEngine(embedded_llm.path, VLLMSettings(kv_cache_gb=0.01))

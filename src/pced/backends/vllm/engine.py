@@ -145,6 +145,11 @@ class VLLMEngine:
         except ValueError as exc:  # vLLM's checks of the settings (a KV cache too small for the window, ...)
             reason = (str(exc).strip().strip('"').splitlines() or [repr(exc)])[0]
             raise UserError(f"vLLM refused these engine settings: {reason}") from None
+        except RuntimeError as exc:  # the same checks in its engine process, which logs them (v1/engine/utils.py:1432)
+            if not str(exc).startswith("Engine core initialization failed"):
+                raise
+            raise UserError("vLLM's engine failed to start; its reason is the error vLLM logged above (settings it "
+                            "refuses, e.g. a KV cache too small for the model's window, or too little memory)") from None
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0, "store_tokens": 0,
                          "degraded_steps": 0, "warm_up_tokens": 0}

@@ -145,7 +145,7 @@ def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
     row = report["latency"][0]
     for mode in ("transformers", "cold", "warm", "recompute"):
         assert row[mode]["new_tokens"] == 4  # EOS ignored: exactly the asked length
-        assert row[mode]["decode_vs_floor"] > 1 and row[mode]["ttft_vs_floor"] > 1
+        assert row[mode]["decode_vs_floor"] > 1 and row[mode]["ttft_vs_floor"] > 1, (mode, row[mode])
     # vLLM's counts: cold reads prefix + documents from the store and computes the question; warm
     # finds them in the prefix cache; recompute prefills all but what its rows share with each other
     assert row["cold"]["store_tokens"] > 0 and row["warm"]["store_tokens"] == row["recompute"]["store_tokens"] == 0

@@ -69,7 +69,7 @@ def document_sets(llm: LoadedModel, cfg: BenchConfig, doc_tokens: int) -> list[t
 
 def recompute_spans(builder, doc_lengths: list[int], question: str) -> list[RowSpan]:
     """PCED's rows with nothing stored: every row prefills its whole prompt."""
-    return [RowSpan(0, span.cached + span.new) for span in method_spans(builder, "pced", doc_lengths, question)]
+    return [RowSpan(0, span.start + span.prefill) for span in method_spans(builder, "pced", doc_lengths, question)]
 
 
 def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=None) -> dict:

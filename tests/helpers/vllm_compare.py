@@ -2,15 +2,26 @@
 retrieval libraries are imported): ask the same questions of the same store with the transformers
 backend and the vLLM backend; print one JSON line per question with both answers.
 
-Arguments: STORE QUESTIONS.json SETTINGS.json, SETTINGS being ``VLLMSettings`` fields. The engine
-runs multiprocess, as vLLM does by default; its CPU build starts its processes with ``spawn``
-(``vllm/platforms/cpu.py:409``), which imports this script again in each of them: hence ``main()``.
-"""
+argv: store_dir questions_file settings_json [--warm-up]. Without --warm-up the documents' KV comes
+from the store's caches through pced's connector (or, with store_kv off, vLLM prefills them)."""
 
 import json
 import os
 import sys
 from dataclasses import replace
+
+
+def only_the_question(builder, asked, block: int) -> int:
+    """The prompt tokens vLLM computes for a question when the store supplies every row's prefix and
+    document: each row's question suffix in the first pass, and in the second (the group, admitted
+    from the prefix cache) the last partial block, less any part the store supplies again."""
+    from pced.backends.vllm.engine import group_prompts
+
+    prompts = group_prompts(builder, asked.candidates, asked.question)
+    stored = [len(builder.prefix_ids)] + [len(builder.prefix_ids) + len(builder.context_ids([c.document.render()]))
+                                          for c in asked.candidates]
+    return sum(len(p) - s for p, s in zip(prompts, stored)) + sum(
+        len(p) - max((len(p) - 1) // block * block, s) for p, s in zip(prompts, stored))
 
 
 def main() -> None:
@@ -30,15 +41,19 @@ def main() -> None:
     # arithmetic and the betas agree to float32 rounding (the test's 1e-4)
     settings = VLLMSettings(**{"dtype": str(store.llm.dtype).removeprefix("torch."), **json.loads(settings_json)})
     engine = shared_engine(store.llm.path, settings)  # first: before retrieval imports its libraries
-    warm = engine.warm_up(store.generator.builder, [d.render() for d in store.documents])
+    warm = (engine.warm_up(store.generator.builder, [d.render() for d in store.documents])
+            if "--warm-up" in sys.argv[4:] else 0)
     core = type(engine.loop.llm.llm_engine.engine_core).__name__  # SyncMPClient: the engine in its own process
-    print(json.dumps({"warm_up_tokens": warm, "engine_core": core}), flush=True)
+    print(json.dumps({"warm_up_tokens": warm, "engine_core": core, "reads_store": engine.reads_store}), flush=True)
     for question in json.loads(open(questions_file).read()):
         base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32))
         reference = ask(store, question, base)
         served = ask(store, question, replace(base, backend="vllm", backend_settings=settings))
+        answer = served.answer()
         print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),
-                          "vllm_stats": served.answer().stats}), flush=True)
+                          "vllm_stats": answer.stats,
+                          "only_the_question": only_the_question(store.generator.builder, served, settings.block_size)}),
+              flush=True)
     engine.close()  # the engine's thread ends and it leaves the shared table
     print(json.dumps({"closed": not engine.loop._thread.is_alive() and engine.loop.llm is None
                       and shared_engine.__globals__["_ENGINES"] == {}}), flush=True)

@@ -2,9 +2,10 @@
 in one run, one question at a time.
 
 On the bench's secret-code documents (``bench.run.secret_code_documents``) at the first
-``--doc-tokens``, for each k of ``--ks``: time to first token (document caches read from their
-files, each backend's of its own kind; a backend that reads another's caches gets them as its
-``Backend.bench_prepare`` says) and decode milliseconds per step, medians of ``--repeats``, each
+``--doc-tokens``, for each k of ``--ks``, every repeat a question not asked before (after
+``Backend.bench_forget``: an engine's prefix cache emptied): time to first token (document caches
+read from their files, each backend's of its own kind; a backend that reads another's caches gets
+them as its ``Backend.bench_prepare`` says) and decode milliseconds per step, medians of ``--repeats``, each
 beside its floor (``pced.bench.floors``: the bytes and FLOPs of each backend's
 ``Backend.work_shape`` over this machine's limits, measured once and cached by
 ``pced.bench.machine``) and measured / floor; the rate of a backend's own kernels where it has them
@@ -37,7 +38,7 @@ from .backends_report import markdown_report, plot
 from .config import BenchConfig
 from .floors import decode_work
 from .machine import machine_name
-from .run import RAG_TEMPLATE, _run, secret_code_documents
+from .run import RAG_TEMPLATE, _run, fresh_question, secret_code_documents
 from .run_floors import RunFloors, method_spans
 
 TIMES = ("ttft_s", "decode_per_token_s", "total_s", "new_tokens")
@@ -92,6 +93,7 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
                "machine_name": machine_name(floors.limits.key), "floors": floors.to_json(),
                "work_shapes": {label: shape.to_json() for label, shape in shapes.items() if shape is not None},
                "kernel_flop_s": kernels, "latency": []}
+    numbers = iter(range(1, 1_000_000))
     with tqdm(total=len(cfg.ks) * len(generators) * cfg.repeats, desc="bench backends", unit="answer") as bar:
         for k in cfg.ks:
             row = {"k": k}
@@ -100,7 +102,9 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
                 options = AskOptions(backend=backend.name, backend_settings=generator.settings, sampling=sampling)
                 runs = []
                 for _ in range(cfg.repeats):
-                    runs.append(_run(ask_candidates(generator, candidates[:k], question, options).generation))
+                    backend.bench_forget(generator)
+                    asked = fresh_question(question, next(numbers))
+                    runs.append(_run(ask_candidates(generator, candidates[:k], asked, options).generation))
                     bar.update(1)
                 row[label] = {key: float(statistics.median(r[key] for r in runs)) for key in TIMES}
                 if shapes[label] is not None:

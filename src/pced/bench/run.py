@@ -73,6 +73,12 @@ def start(generator: Generator, method: str, docs: list[Document], gold: list[st
     return ask_candidates(generator, candidates, question, AskOptions(method=method, sampling=sampling)).generation
 
 
+def fresh_question(question: str, number: int) -> str:
+    """A question no earlier one shares a block with: the number leads, so an engine's cached
+    blocks of earlier questions end where the question starts."""
+    return f"({number}) {question}"
+
+
 def secret_code_documents(llm: LoadedModel, n_docs: int, doc_tokens: int, seed: int) -> tuple[list[Document], str, list[str]]:
     from ..evaluation.secret_code import make_secret_code
 

@@ -101,6 +101,11 @@ class VerifiedFiles:
         with self._lock:
             self._seen.add(key)
 
+    def forget(self) -> None:
+        """Check every file again on its next load, as a fresh process does (a benchmark's cold reads)."""
+        with self._lock:
+            self._seen.clear()
+
 
 VERIFIED = VerifiedFiles()  # facts about files, shared by every store of this process
 

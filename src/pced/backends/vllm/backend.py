@@ -56,12 +56,22 @@ class VLLMBackend(TransformersBackend):
                            help="vllm: GPUs (on a CPU build: ranks) one model is split over; its attention heads "
                                 "must divide by it")
         group.add_argument("--kv-transfer-config", default=DEFAULTS.kv_transfer_config, metavar="FILE",
-                           help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading), "
-                                "to keep document KV beyond GPU memory and restarts")
+                           help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading); "
+                                "replaces pced's own connector (--store-kv)")
+        group.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=DEFAULTS.store_kv,
+                           help="vllm: read documents' KV from the store's caches, so only the question is prefilled "
+                                f"(default {'on' if DEFAULTS.store_kv else 'off'}); off: vLLM prefills prefix and "
+                                "documents itself")
+        group.add_argument("--kv-cache-gb", type=float, default=DEFAULTS.kv_cache_gb, metavar="GiB",
+                           help="vllm: the engine's KV cache size (default: from --gpu-memory-utilization)")
+        if command == "serve":
+            group.add_argument("--warm-up", action="store_true", default=DEFAULTS.warm_up,
+                               help="vllm: prefill every stored document into vLLM's prefix cache at start (not needed "
+                                    "with --store-kv: documents are read from the store when first asked for)")
 
     def settings_from_args(self, args: argparse.Namespace) -> VLLMSettings:
         names = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "kv_transfer_config",
-                 "enforce_eager", "max_model_len", "max_num_batched_tokens")
+                 "enforce_eager", "max_model_len", "max_num_batched_tokens", "store_kv", "kv_cache_gb", "warm_up")
         given = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if hasattr(args, "vllm_dtype"):
             given["dtype"] = args.vllm_dtype
@@ -86,7 +96,7 @@ class VLLMBackend(TransformersBackend):
         from .engine import EngineRows, shared_engine
 
         return EngineRows(shared_engine(generator.llm.path, generator.settings), generator.builder, candidates,
-                          question, rule, sampling)
+                          question, rule, sampling, store=generator.caches)  # the engine reads the documents' KV there
 
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
         from .engine import TapeScoring
@@ -95,23 +105,43 @@ class VLLMBackend(TransformersBackend):
 
     # -- serving --------------------------------------------------------------------------
     def warm_up(self, store: Any, settings: VLLMSettings) -> dict:
-        """Start the engine and prefill every stored document into its prefix cache."""
+        """Start the engine; with ``settings.warm_up`` also prefill every stored document into its
+        prefix cache (with ``store_kv`` a document is read from the store when first asked for)."""
         from .engine import shared_engine
 
         generator = store.generator_for(self, settings)
         engine = shared_engine(generator.llm.path, settings)
+        if not settings.warm_up:
+            source = ("documents' KV read from the store's caches" if engine.reads_store
+                      else "documents prefilled by vLLM when first asked for")
+            return {"engine_start_s": engine.start_s, "warm_up_tokens": 0, "reads_store": engine.reads_store,
+                    "message": f"vLLM engine started in {engine.start_s:.1f} s; {source}"}
         tokens = engine.warm_up(generator.builder, [d.render() for d in store.documents])
         return {"engine_start_s": engine.start_s, "warm_up_tokens": tokens, "warm_up_s": engine.warm_up_s,
+                "reads_store": engine.reads_store,
                 "message": f"vLLM engine started in {engine.start_s:.1f} s; {len(store.documents)} documents "
                            f"({tokens} tokens) prefilled into its prefix cache in {engine.warm_up_s:.1f} s"}
 
     def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
-        """The engine started and every document prefilled into its prefix cache, as ``warm_up`` does."""
+        """The engine started (no warm-up: with ``store_kv`` the documents come from the store)."""
         from .engine import shared_engine
 
         engine = shared_engine(generator.llm.path, generator.settings)
-        engine.warm_up(generator.builder, documents)
-        return {"engine_start_s": engine.start_s, "warm_up_s": engine.warm_up_s}
+        return {"engine_start_s": engine.start_s, "reads_store": engine.reads_store}
+
+    def bench_forget(self, generator: Any) -> None:
+        """Empty the engine's prefix cache (``LLM.reset_prefix_cache``: vllm/entrypoints/llm.py:829-834),
+        between questions, while the engine's thread waits for work (no step is running)."""
+        import time
+
+        from .engine import shared_engine
+
+        llm = shared_engine(generator.llm.path, generator.settings).loop.llm
+        deadline = time.monotonic() + 60
+        while not llm.reset_prefix_cache():  # refused while a request still holds blocks (an abort in flight)
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM refused to empty its prefix cache for a minute (requests still running)")
+            time.sleep(0.1)
 
     def work_shape(self, generator: Any) -> Any:
         """The torch model's work with its weights, keys and values in the engine's dtype (the
@@ -130,8 +160,9 @@ class VLLMBackend(TransformersBackend):
                        described_as=f"{dtype} weights {weights / 1e9:.3f} GB, {dtype} KV {cell:,.0f} B/token")
 
     def bench_cache_bytes(self, generator: Any, files: list) -> int:
-        """Nothing: ``bench_prepare`` put every document in the engine's prefix cache."""
-        return 0
+        """The files, read through pced's connector (``store_kv``); nothing without it (vLLM
+        prefills the documents)."""
+        return super().bench_cache_bytes(generator, files) if generator.settings.store_kv else 0
 
     def health(self, generator: Any) -> dict:
         from .engine import running_engine

@@ -3,9 +3,11 @@ processor, read back as the same ``Answer`` (text, trace, betas) as the transfor
 
 The question -> requests mapping is the transformers backend's sequences, token for token:
 member 0 (the amateur) = prefix + question suffix without the context separator, member k =
-prefix + document_k's context tokens + question suffix. vLLM's automatic prefix caching hashes
-full blocks of prefix + document, so a document's KV is computed once and reused across
-questions (``warm_up`` fills the cache with every stored document at start).
+prefix + document_k's context tokens + question suffix. With a KV store (the default), each
+request also names the store's caches of its prefix and document (``store_kv``), and pced's KV
+connector (``connector.py``) loads them, so vLLM prefills only the question; vLLM's prefix cache
+keeps what was loaded or computed, so a hot document is not read again (``warm_up`` can still
+prefill every stored document at start).
 
 A question is answered in two passes: its N+1 prompts are prefilled (one token each, discarded),
 then submitted again as the group; the second pass finds them in the prefix cache, so its members
@@ -47,6 +49,7 @@ from .cpu import bind_threads
 from .groups import GroupMember
 from .loop import Collector, EngineLoop
 from .processor import LOGPROBS_MODE, processor_class
+from .store_kv import CONNECTOR, SUPPLIED_KEY, connector_config, group_params
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
 _STARTING = threading.Lock()
@@ -89,6 +92,8 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     cuda = current_platform.is_cuda_alike()
     resolved = settings.for_platform(cuda=cuda)
     args = dict(model=str(model_dir), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, **resolved.engine_args())
+    if settings.store_kv and "kv_transfer_config" not in args:  # a user's own kv_transfer_config replaces pced's
+        args["kv_transfer_config"] = connector_config()
     probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
     if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)
         probe["kv_transfer_config"] = KVTransferConfig(**probe["kv_transfer_config"])
@@ -133,9 +138,21 @@ class VLLMEngine:
         self.engine_args, self.v2_runner = engine_plan(self.model_dir, settings)
         bind_threads(settings.tensor_parallel_size)
         self.processor = processor_class(self.v2_runner)
-        self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
+        # whether requests may name a store's caches (without a connector vLLM warns on every such request)
+        self.reads_store = self.engine_args.get("kv_transfer_config", {}).get("kv_connector") == CONNECTOR
+        try:
+            self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
+        except ValueError as exc:  # vLLM's checks of the settings (a KV cache too small for the window, ...)
+            reason = (str(exc).strip().strip('"').splitlines() or [repr(exc)])[0]
+            raise UserError(f"vLLM refused these engine settings: {reason}") from None
+        except RuntimeError as exc:  # the same checks in its engine process, which logs them (v1/engine/utils.py:1432)
+            if not str(exc).startswith("Engine core initialization failed"):
+                raise
+            raise UserError("vLLM's engine failed to start; its reason is the error vLLM logged above (settings it "
+                            "refuses, e.g. a KV cache too small for the model's window, or too little memory)") from None
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
-        self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "degraded_steps": 0, "warm_up_tokens": 0}
+        self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0, "store_tokens": 0,
+                         "degraded_steps": 0, "warm_up_tokens": 0}
         self.warm_up_s = 0.0
         self._lock = threading.Lock()
 
@@ -167,15 +184,17 @@ class VLLMEngine:
         collector.wait(lambda: False)
         return collector
 
-    def prefill(self, prompts: Sequence[list[int]]) -> Collector:
-        """Compute the prompts' KV into the prefix cache (one discarded token each)."""
+    def prefill(self, prompts: Sequence[list[int]], kv_params: Sequence[dict | None] | None = None) -> Collector:
+        """Compute the prompts' KV into the prefix cache (one discarded token each); ``kv_params``:
+        each prompt's stored KV (``store_kv.group_params``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra = [{"kv_transfer_params": p} if p else None for p in (kv_params or [None] * len(prompts))]
         # greedy, like the groups' requests: an all-greedy batch hands back the processed logits
         # without the random sampler's pass (v1/sample/sampler.py:264-274)
-        return self.generate(prompts, [SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
-                                       for _ in prompts])
+        return self.generate(prompts, [SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                                      extra_args=e) for e in extra])
 
     def warm_up(self, builder: PromptBuilder, documents: Sequence[str]) -> int:
         """Prefill prefix + document for every document once, so questions find them cached;
@@ -198,10 +217,14 @@ class EngineRows(Rows):
     for every other backend. The engine keeps stepping other questions meanwhile."""
 
     def __init__(self, engine: VLLMEngine, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
-                 rule: RuleConfig, sampling: SamplingConfig):
+                 rule: RuleConfig, sampling: SamplingConfig, store=None):
         self.engine, self.rule, self.sampling = engine, rule, sampling
         self.relevance = tuple(float(c.relevance) for c in candidates)
         self.prompts = group_prompts(builder, candidates, question)
+        # the store's caches of each row's prefix and document (``store``: a pced.kv.store.KVStore)
+        self.kv_params = (group_params(store, self.prompts, [None] + [c.document.render() for c in candidates])
+                          if store is not None and engine.reads_store else [None] * len(self.prompts))
+        self.prefilled: Collector | None = None
         self.timings: dict[str, float] = {}
         self.stats: dict = {}
         self.group = uuid.uuid4().hex
@@ -223,12 +246,13 @@ class EngineRows(Rows):
         # need only their last partial block and are admitted in one step even under a small token
         # budget; a member admitted late could never catch up (every row advances one token a step).
         started = time.perf_counter()
-        self.engine.prefill(self.prompts)
+        self.prefilled = self.engine.prefill(self.prompts, self.kv_params)
         self.timings["prefill_s"] = time.perf_counter() - started
         params = [SamplingParams(max_tokens=self.sampling.max_new_tokens, temperature=0.0, ignore_eos=self.sampling.ignore_eos,
                                  stop=list(self.sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
-                                 logprobs=0, extra_args=member.to_args())  # logprobs=0: the carriers (channel.py)
-                  for member in self.members]
+                                 logprobs=0,  # the carriers (channel.py)
+                                 extra_args={**member.to_args(), **({"kv_transfer_params": kv} if kv else {})})
+                  for member, kv in zip(self.members, self.kv_params)]
         self.collector = self.engine.submit(self.prompts, params, tag=self.group, on_tokens=self._check_member)
         return self._wait()
 
@@ -269,13 +293,19 @@ class EngineRows(Rows):
         running = [r for r in self.collector.ids if r not in self.collector.finished]
         if running:
             self.engine.loop.abort(running)
+        prompt = sum(map(len, self.prompts))
         cached = sum(self.collector.cached.values())
         records = self.collector.carriers[self.collector.ids[0]][: len(self.tokens)]
         degraded = channel.degraded_steps(records)
-        self.stats.update(experts=len(self.prompts) - 1, context_tokens=sum(map(len, self.prompts)),
-                          cached_tokens=cached, degraded_steps=degraded)
-        self.engine.count(questions=1, prompt_tokens=sum(map(len, self.prompts)), cached_tokens=cached,
-                          degraded_steps=degraded)
+        # vLLM's own counts: prompt tokens each pass computed (not found cached, not loaded from the
+        # store) and tokens the store supplied, as its connector reported them at each request's end
+        passes = [c for c in (self.prefilled, self.collector) if c is not None]
+        prefilled = sum(prompt - sum(c.cached.values()) for c in passes)
+        supplied = sum(int((t or {}).get(SUPPLIED_KEY, 0)) for c in passes for t in c.transfer.values())
+        self.stats.update(experts=len(self.prompts) - 1, context_tokens=prompt, cached_tokens=cached,
+                          prefilled_tokens=prefilled, store_tokens=supplied, degraded_steps=degraded)
+        self.engine.count(questions=1, prompt_tokens=prompt, cached_tokens=cached, prefilled_tokens=prefilled,
+                          store_tokens=supplied, degraded_steps=degraded)
 
 
 class TapeScoring:
@@ -302,7 +332,7 @@ class VLLMGeneration(Generation):
     """One PCED question on vLLM through the one decoding loop."""
 
     def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
-                 rule: RuleConfig, sampling: SamplingConfig = SamplingConfig()):
-        rows = EngineRows(engine, builder, candidates, question, rule, sampling)
+                 rule: RuleConfig, sampling: SamplingConfig = SamplingConfig(), store=None):
+        rows = EngineRows(engine, builder, candidates, question, rule, sampling, store)
         super().__init__(rows, TapeScoring(rows.betas, candidates, rule), llm, sampling, method="pced",
                          amateur_only=not candidates)

@@ -132,6 +132,7 @@ class Collector:
         self.tokens: dict[str, list[int]] = {r: [] for r in self.ids}
         self.carriers: dict[str, list[float]] = {r: [] for r in self.ids}  # per token, where asked (channel.py)
         self.cached: dict[str, int] = {}
+        self.transfer: dict[str, dict] = {}  # a finished request's kv_transfer_params (its KV connector's report)
         self.finished: set[str] = set()
         self.error: BaseException | None = None
         self._changed = threading.Condition()
@@ -152,6 +153,8 @@ class Collector:
                     self.cached[output.request_id] = output.num_cached_tokens
                 if output.finished:
                     self.finished.add(output.request_id)
+                    if getattr(output, "kv_transfer_params", None):
+                        self.transfer[output.request_id] = output.kv_transfer_params
                 if self.on_tokens is not None and new:
                     self.error = self.on_tokens(output.request_id, self.tokens[output.request_id]) or self.error
             self._changed.notify_all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -26,7 +27,10 @@ class VLLMSettings:
     # half-prefilled row from a next-token one; vLLM's own choice on V2, which can.
     enable_chunked_prefill: bool | None = None
     enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
-    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading)
+    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading); replaces store_kv's
+    store_kv: bool = True  # documents' KV read from the store's caches (pced's KV connector); off: vLLM prefills them
+    kv_cache_gb: float | None = None  # the engine's KV cache, GiB (vLLM's kv_cache_memory_bytes); None: from the memory share
+    warm_up: bool = False  # pced serve: prefill every stored document into the prefix cache at start
 
     # The platform values of the fields left None. CUDA: bf16/fp16 weights (an 8B model is 16 GB, not
     # 32), 0.85 of the GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
@@ -45,6 +49,8 @@ class VLLMSettings:
         for name in ("max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_gb is not None and not (math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0):
+            raise UserError(f"kv_cache_gb must be a number of GiB > 0, got {self.kv_cache_gb}")
         if self.kv_transfer_config is not None:
             self.kv_transfer()  # a missing or malformed file is refused before any engine starts
 
@@ -65,7 +71,11 @@ class VLLMSettings:
         return value
 
     def engine_args(self) -> dict:
-        args = {k: v for k, v in asdict(self).items() if v is not None}
+        """``vllm.LLM``'s arguments (pced's connector is added by the engine: ``store_kv``)."""
+        own = ("store_kv", "kv_cache_gb", "warm_up")
+        args = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
         if self.kv_transfer_config is not None:
             args["kv_transfer_config"] = self.kv_transfer()
+        if self.kv_cache_gb is not None:
+            args["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
         return args

@@ -1,0 +1,76 @@
+"""From a stored segment (``pced.kv``: ``[layers, kv_heads, tokens, head_dim]``) to what vLLM's
+attention backends write into their paged KV cache. Plain torch: no vLLM import.
+
+The connector does not place bytes in the paged cache itself: it hands each attention layer's own
+writer, ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)``, the keys and values
+the forward pass would have computed, exactly as the forward hands them
+(``model_executor/layers/attention/attention.py:724-746``, ``unified_kv_cache_update``): key and
+value as ``[tokens, kv_heads, head_size]`` (the layer views them so: ``attention.py:535-538``) and
+one flat slot per token. So every layout, ISA and cache dtype a backend has stays its own business,
+and a segment arrives as the forward's own output would:
+
+- the CPU build (``CPU_ATTN``) views a (block, head) page as ``[2 * block_size, head_size]``, keys
+  in the first half and values in the second (``v1/attention/backends/cpu_attn.py:411-416``), and
+  its writer (``:464-489``, ``cpu_attn_reshape_and_cache``) lays them out per ISA: with AVX-512
+  (``vec``) a block's keys are stored channel-major, ``[head_size, block_size]``, its values
+  token-major (measured: key[t, c] at page element ``c * block_size + t``), other ISAs (AMX, NEON)
+  their own way;
+- FlashAttention (``FLASH_ATTN``) and Triton read a block as ``[block_size, heads, 2 * head_size]``,
+  key then value (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``: ``flash_attn.py:1252``,
+  ``:1443``; ``triton_attn.py:796``), written by ``reshape_and_cache_flash`` (``flash_attn.py:1430-1460``),
+  an fp8 cache scaled on the way in.
+
+With tensor parallelism each rank holds some of the KV heads: rank r holds shard ``r // replicas``
+of ``max(1, heads // tp)`` heads, where ``replicas = max(1, tp // heads)``
+(``model_executor/layers/linear.py:1053-1058`` and ``:1303``: QKVParallelLinear's k/v shard).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kv.segment import DocKV
+
+
+def rank_heads(total_heads: int, tp_size: int, rank: int) -> slice:
+    """The KV heads tensor-parallel rank ``rank`` of ``tp_size`` holds."""
+    local = max(1, total_heads // tp_size)
+    replicas = max(1, tp_size // total_heads)
+    first = (rank // replicas) * local
+    return slice(first, first + local)
+
+
+def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat slots (``block_id * block_size + offset``) of a request's tokens ``start..end-1`` from its
+    block ids, as the runner's slot mapping numbers them (a backend splitting blocks into smaller
+    kernel blocks keeps the same flat numbering: ``v1/kv_cache_interface.py:407-429``)."""
+    tokens = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[tokens // block_size] * block_size + tokens % block_size
+
+
+def segment_rows(kv: DocKV, layer: int, heads: slice, start: int, end: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``start..end-1`` of one layer of a stored segment as ``[tokens, heads, head_dim]`` keys
+    and values in ``dtype``, dequantized (int8: keys per channel, values per token: ``kv.segment``)."""
+    keys = kv.keys[layer, heads, start:end]
+    values = kv.values[layer, heads, start:end]
+    if kv.quantized:
+        keys = keys.to(torch.float32) * kv.key_scale[layer, heads]
+        values = values.to(torch.float32) * kv.value_scale[layer, heads, start:end]
+    return keys.transpose(0, 1).to(dtype), values.transpose(0, 1).to(dtype)
+
+
+def prompt_rows(segments: list[DocKV], layer: int, heads: slice, start: int, end: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``start..end-1`` of the prompt the segments make one after the other (prefix, document)."""
+    keys, values, offset = [], [], 0
+    for kv in segments:
+        lo, hi = max(start, offset), min(end, offset + kv.n_tokens)
+        if lo < hi:
+            k, v = segment_rows(kv, layer, heads, lo - offset, hi - offset, dtype)
+            keys.append(k)
+            values.append(v)
+        offset += kv.n_tokens
+    if offset < end or not keys:
+        raise ValueError(f"the stored segments hold {offset} tokens, tokens {start}..{end - 1} were asked for")
+    return (torch.cat(keys), torch.cat(values)) if len(keys) > 1 else (keys[0], values[0])

@@ -1,0 +1,87 @@
+"""What pced's vLLM connector reads and hands vLLM, without vLLM: each request's store parameters,
+the rows it writes (the transformers backend's own cache values, as the forward hands keys to an
+attention writer), and the KV heads of each tensor-parallel rank."""
+
+import pytest
+import torch
+
+from pced.backends.vllm.engine import group_prompts
+from pced.backends.vllm.kv_layout import prompt_rows, rank_heads, slots_of
+from pced.backends.vllm.store_kv import PARAMS_KEY, StoreSpec, group_params, ids_digest
+from pced.documents import Candidate, Document
+from pced.kv.store import KVStore
+from pced.prompts import RAG_TEMPLATE, PromptBuilder
+
+DOCS = ["Mira Quell painted the harbor of Elumia in 1887, the year the lighthouse burned.",
+        "The grey heron is the national bird of Elumia; its feathers are on the flag."]
+QUESTION = "Who painted the harbor?"
+
+
+@pytest.fixture
+def store(tmp_path, tiny_llm):
+    def make(dtype: str, documents=DOCS) -> KVStore:
+        kv = KVStore(tmp_path / dtype, tiny_llm, PromptBuilder(tiny_llm.tokenizer, RAG_TEMPLATE), storage_dtype=dtype)
+        kv.add(list(documents), progress=False)
+        return kv
+    return make
+
+
+def test_each_row_names_the_prefix_and_its_stored_document_and_nothing_it_cannot_supply(store):
+    kv = store("float16", DOCS[:1])  # the second document is not stored (a request's own document)
+    candidates = [Candidate(Document(str(i), d), 0.5) for i, d in enumerate(DOCS)]
+    prompts = group_prompts(kv.builder, candidates, QUESTION)
+    specs = [StoreSpec.from_params(p) for p in group_params(kv, prompts, [None] + DOCS)]
+    prefix = len(kv.builder.prefix_ids)
+    assert [s.digest for s in specs] == [None, kv.digests(DOCS[:1])[0], None]
+    assert [s.tokens for s in specs] == [prefix, prefix + len(kv.builder.context_ids(DOCS[:1])), prefix]
+    for spec, prompt in zip(specs, prompts):
+        assert spec.prefix_tokens == prefix and spec.kv_dir == str(kv.root.resolve())
+        assert spec.available(prompt) and spec.ids == ids_digest(prompt[:spec.tokens])
+        assert prompt[:spec.tokens] == kv.builder.prefix_ids + (kv.builder.context_ids(DOCS[:1]) if spec.digest else [])
+    expert = specs[1]
+    assert not expert.available(prompts[2])  # another prompt: its first tokens are not the stored ones
+    assert not expert.available(prompts[1][:expert.tokens])  # nothing left to compute: vLLM needs a token
+    kv.path_for(expert.digest).unlink()
+    assert not expert.available(prompts[1])  # removed since: vLLM prefills it
+    assert StoreSpec.from_params({PARAMS_KEY: {"kv_dir": "x"}}) is None and StoreSpec.from_params(None) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_the_rows_are_the_transformers_backends_cache_values_token_by_token(store, dtype):
+    kv = store(dtype)
+    prefix, document = kv.prefix(), kv.load(kv.digests(DOCS[:1])[0])
+    keys = torch.cat([prefix.on("cpu")[0], document.on("cpu")[0]], dim=2)  # what the transformers buffer holds
+    values = torch.cat([prefix.on("cpu")[1], document.on("cpu")[1]], dim=2)
+    total, heads = keys.shape[2], slice(0, keys.shape[1])
+    for layer in range(keys.shape[0]):
+        for start, end in [(0, total), (prefix.n_tokens - 3, total), (prefix.n_tokens + 5, total - 2)]:
+            k, v = prompt_rows([prefix, document], layer, heads, start, end, torch.float32)
+            # [tokens, heads, head_dim]: the orientation the forward hands an attention layer's writer
+            assert torch.equal(k, keys[layer, :, start:end].transpose(0, 1).float())
+            assert torch.equal(v, values[layer, :, start:end].transpose(0, 1).float())
+    with pytest.raises(ValueError, match="hold"):
+        prompt_rows([prefix, document], 0, heads, 0, total + 1, torch.float32)
+
+
+def test_a_float32_store_holds_a_plain_forward_of_prefix_and_document_at_their_absolute_positions(store, tiny_llm):
+    kv = store("float32")
+    ids = kv.builder.prefix_ids + kv.builder.context_ids(DOCS[:1])
+    with torch.inference_mode():
+        cache = tiny_llm.model(torch.tensor([ids]), use_cache=True).past_key_values
+    prefix, document = kv.prefix(), kv.load(kv.digests(DOCS[:1])[0])
+    for layer in range(len(cache.layers)):
+        k, v = prompt_rows([prefix, document], layer, slice(None), 0, len(ids), torch.float32)
+        assert torch.allclose(k, cache.layers[layer].keys[0].transpose(0, 1), atol=1e-5)
+        assert torch.allclose(v, cache.layers[layer].values[0].transpose(0, 1), atol=1e-5)
+
+
+def test_tensor_parallel_ranks_hold_the_kv_heads_vllm_gives_them():
+    # QKVParallelLinear: heads split in contiguous shards; fewer heads than ranks are replicated
+    assert [rank_heads(8, 2, r) for r in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [rank_heads(3, 1, 0)] == [slice(0, 3)]
+    assert [rank_heads(2, 4, r) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    assert [rank_heads(4, 4, r) for r in range(4)] == [slice(r, r + 1) for r in range(4)]
+
+
+def test_slots_follow_the_requests_blocks():
+    assert slots_of([7, 2, 9], 4, 2, 10).tolist() == [30, 31, 8, 9, 10, 11, 36, 37]

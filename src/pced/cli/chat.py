@@ -3,8 +3,10 @@
 Each line is a question, answered as ``pced ask`` prints one (tokens coloured by document, cited
 sentences, sources). Lines starting with ``/`` change settings for the questions that follow;
 their names are ``pced ask``'s options. History is off by default: each question is asked on
-its own; ``/history on`` prepends the previous turns (so a follow-up question is retrieved and
-answered with them), up to the question length limit.
+its own. With ``/history on`` a question is a follow-up of the previous turn (``follow_up``):
+retrieval searches with the question plus that turn, so "Where was she born?" finds the document
+about the person the previous answer named; the model is asked the question as typed
+(docs/daily-use.md measures why).
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import sys
 from dataclasses import replace
 
 from ..errors import DataError, UserError
-from ..options import MAX_QUESTION_CHARS, METHODS, RETRIEVERS, AskOptions, check_question
+from ..options import METHODS, RETRIEVERS, AskOptions, check_question
 from .common import InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options, \
     ask_options_from, open_store
+from .terminal import count, printable
 
 HELP = f"""commands (settings hold for the questions that follow):
   /method NAME          {', '.join(METHODS)}
   /top-k N              documents used as experts
   /retriever NAME       {', '.join(RETRIEVERS)}
   /max-new-tokens N     tokens per answer
-  /history on|off       prepend the previous turns to each question (off by default)
+  /history [on|off]     follow-ups: retrieve with the previous turn (off by default); alone: show it
   /settings             show the current settings
   /help                 this list
   /quit                 leave (also Ctrl-D)"""
@@ -60,9 +63,17 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
             options = replace(options, retriever=value)
         elif name == "max-new-tokens":
             options = replace(options, sampling=replace(options.sampling, max_new_tokens=int(value)))
+        elif name == "history" and not value:
+            if not session["history"]:
+                print("history off: each question is asked on its own (/history on: follow-ups of the previous turn)")
+            elif session["turns"]:
+                print(f'history on: the next question follows up on "{printable(session["turns"][-1][0], newlines=False)}"')
+            else:
+                print("history on: the next question is the first of the conversation")
+            return options
         elif name == "history":
             if value not in ("on", "off"):
-                raise ValueError("history is on or off")
+                raise ValueError(f"/history takes on or off, got {value!r}")
             session["history"], session["turns"] = value == "on", []
         else:
             raise ValueError(f"unknown command /{name}; /help lists them")
@@ -73,13 +84,20 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
     return options
 
 
-def with_history(question: str, turns: list[tuple[str, str]]) -> str:
-    """The question after the previous turns, dropping the oldest beyond the length limit."""
-    for start in range(len(turns) + 1):
-        text = "".join(f"Q: {q}\nA: {a}\n" for q, a in turns[start:]) + (f"Q: {question}" if turns[start:] else question)
-        if len(text) <= MAX_QUESTION_CHARS:
-            return text
-    return question
+def with_previous_turn(question: str, turns: list[tuple[str, str]]) -> str:
+    """The question after the previous turn (question and answer), or alone when there is none."""
+    if not turns:
+        return question
+    previous, answer = turns[-1]
+    return f"Q: {previous}\nA: {answer}\nQ: {question}"
+
+
+def follow_up(question: str, turns: list[tuple[str, str]]) -> tuple[str, str]:
+    """(what retrieval searches with, what the model is asked) for a question after ``turns``.
+    Retrieval gets the previous turn, whose answer names what "she" or "it" is; the model gets
+    the question alone: with the turn in its prompt the embedded model repeats the previous answer
+    (docs/daily-use.md, "Follow-up questions")."""
+    return with_previous_turn(question, turns), question
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -93,7 +111,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()
     session = {"history": False, "turns": []}
-    print(f"pced chat: {store.root}, {len(store.documents)} documents. /help for commands, /quit to leave.")
+    print(f"pced chat: {store.root}, {count(len(store.documents), 'document')}. /help for commands, /quit to leave.")
     while True:
         try:
             line = input("> " if interactive else "")
@@ -110,11 +128,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if options is None:
                 return 0
             continue
-        question = with_history(line.strip(), session["turns"]) if session["history"] else line.strip()
+        typed = line.strip()
+        query, question = follow_up(typed, session["turns"]) if session["history"] else (typed, typed)
         try:
             check_question(question)
-            asked = ask(store, question, options)
-            answer = stream_answer(asked.generation, asked.candidates, question, console)
+            asked = ask(store, question, options, query=query)
+            answer = stream_answer(asked.generation, asked.candidates, typed, console)
         except (UserError, DataError) as exc:
             print(f"pced: error: {exc}", file=sys.stderr)
             continue
@@ -122,5 +141,5 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("\n(stopped)")
             continue
         if session["history"]:
-            session["turns"].append((line.strip(), answer.text.strip()))
+            session["turns"] = [(typed, answer.text.strip())]  # a follow-up refers to the turn before it
 

@@ -1,6 +1,6 @@
-"""pced chat: /history shows its state, a follow-up is retrieved with the previous turn and asked
-as typed, the typed question is echoed once (the tiny random model); and a conversation through
-the real command line on the embedded model."""
+"""pced chat: /history shows its state, a follow-up is retrieved with the names the previous answer
+gave and asked as typed, the typed question is echoed once (the tiny random model, the real
+retrievers); and a conversation through the real command line on the embedded model."""
 
 import io
 import json
@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from pced.cli import main
-from pced.cli.chat import apply_command, follow_up, with_previous_turn
+from pced.cli.chat import apply_command, follow_up_query, names_added
 from pced.cli.common import InputError
 from pced.cli.terminal import count
 from pced.documents import Document
@@ -37,12 +37,20 @@ def store(tmp_path_factory, tiny_llm):
     return root
 
 
-def test_a_follow_up_is_retrieved_with_the_previous_turn_and_asked_as_typed():
-    turns = [(FIRST, "Mira Quell founded it.")]
-    query, question = follow_up(FOLLOW_UP, turns)
-    assert question == FOLLOW_UP
-    assert query == f"Q: {FIRST}\nA: Mira Quell founded it.\nQ: {FOLLOW_UP}" == with_previous_turn(FOLLOW_UP, turns)
-    assert follow_up(FOLLOW_UP, []) == (FOLLOW_UP, FOLLOW_UP)  # the first question of a conversation
+@pytest.mark.parametrize("question, answer, names", [
+    ("Who founded the Zorblax Company?", "The Zorblax Company was founded by Mira Quell, an engineer.", ["Mira", "Quell"]),
+    ("Who discovered Ferro's Comet?", "Anselm Ferro was a baker. He discovered a comet named Ferro's Comet.", ["Anselm"]),
+    ("Is it big?", "Yes, it is. It has 900 people.", []),
+])
+def test_the_names_an_answer_gave_are_its_capitalized_words_the_question_lacks(question, answer, names):
+    assert names_added(question, answer) == names
+
+
+def test_a_follow_up_is_retrieved_with_the_names_the_previous_answer_gave():
+    assert follow_up_query(FOLLOW_UP, []) == FOLLOW_UP  # the first question of a conversation
+    turns = [("Q1?", "A1."), (FIRST, "The Zorblax Company was founded by Mira Quell.")]
+    assert follow_up_query(FOLLOW_UP, turns) == f"{FOLLOW_UP} Mira Quell"
+    assert follow_up_query("And then?", [("Is it big?", "yes")]) == "And then? Is it big?"  # no names: the question before
 
 
 def test_history_alone_shows_the_state_and_a_bad_value_is_one_line(capsys):
@@ -62,16 +70,20 @@ def test_history_alone_shows_the_state_and_a_bad_value_is_one_line(capsys):
 
 
 def test_ask_retrieves_with_the_query_and_answers_the_question(store, tiny_llm):
+    """The real retrievers: "Where was she born?" with the name the turn gave reads Mira Quell's
+    document first; the whole turn would read the company's (the turn's own words); the model is
+    asked the question as typed."""
     from pced.store import DocumentStore
 
     opened = DocumentStore.open(store, llm=tiny_llm)
     options = AskOptions(top_k=2, sampling=SamplingConfig(max_new_tokens=6))
-    query = with_previous_turn(FOLLOW_UP, [(FIRST, "Mira Quell founded it.")])
+    answer = "The Zorblax Company was founded by Mira Quell."
+    query = follow_up_query(FOLLOW_UP, [(FIRST, answer)])
     asked = ask(opened, FOLLOW_UP, options, query=query)
-    by_query = ask(opened, query, options)
-    assert [(c.document.id, c.relevance) for c in asked.candidates] == [(c.document.id, c.relevance) for c in by_query.candidates]
-    alone = ask(opened, FOLLOW_UP, options)
-    assert [c.document.id for c in asked.candidates] != [c.document.id for c in alone.candidates]  # the turn changed what was read
+    assert [(c.document.id, c.relevance) for c in asked.candidates] == [
+        (c.document.id, c.relevance) for c in opened.retrieve(query, top_k=2)]
+    assert asked.candidates[0].document.id == "quell"
+    assert opened.retrieve(f"Q: {FIRST}\nA: {answer}\nQ: {FOLLOW_UP}", top_k=2)[0].document.id == "zorblax"
     expected = ask_candidates(opened.generator_for(options), asked.candidates, FOLLOW_UP, options).answer()
     assert asked.question == FOLLOW_UP and asked.answer().token_ids == expected.token_ids
 

@@ -44,12 +44,12 @@ def test_grid_sweeps_pced_and_varies_baselines_only_with_top_k():
     grid = build_grid(config, RuleConfig(score_space="logprobs"))
     pced_runs = [r for r in grid if r.method == "pced"]
     assert len(pced_runs) == 2 * 2 * 2 and len(grid) == 8 + 2
-    assert {r.key for r in grid if r.method == "all"} == {"all|k=8|ret=hybrid", "all|k=16|ret=hybrid"}
-    assert pced_runs[0].key == "pced|beta=dynamic|gamma=2.5|agg=max|space=logprobs|k=8|ret=hybrid"
-    assert "pced|beta=0.5|gamma=1|agg=max|space=logprobs|k=16|ret=hybrid" in {r.key for r in grid}
+    assert {r.key for r in grid if r.method == "all"} == {"all|k=8|ret=hybrid|loop=6", "all|k=16|ret=hybrid|loop=6"}
+    assert pced_runs[0].key == "pced|beta=dynamic|gamma=2.5|agg=max|space=logprobs|k=8|ret=hybrid|loop=6"
+    assert "pced|beta=0.5|gamma=1|agg=max|space=logprobs|k=16|ret=hybrid|loop=6" in {r.key for r in grid}
     assert len({r.key for r in grid}) == len(grid)
     assert pced_runs[0].settings() == {"beta": "dynamic", "gamma": 2.5, "aggregation": "max",
-                                       "score_space": "logprobs", "top_k": 8, "retriever": "hybrid"}
+                                       "score_space": "logprobs", "top_k": 8, "retriever": "hybrid", "loop_span": 6}
     with pytest.raises(EvalError, match="--aggregation"):
         validate(EvalConfig(dataset="x", aggregation=["sum"]))
 

@@ -80,8 +80,8 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
 
 def ask(store, question: str, options: AskOptions = AskOptions(), query: str | None = None) -> Asked:
     """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``.
-    ``query``: what retrieval searches with, when not the question (a chat's follow-up adds the
-    previous turn, whose names the question only refers to)."""
+    ``query``: what retrieval searches with, when not the question alone (a chat's follow-up adds
+    the names the previous answer gave, which the question only refers to)."""
     check_question(question)
     if query is not None:
         check_text(query, "the retrieval query")

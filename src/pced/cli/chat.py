@@ -3,15 +3,16 @@
 Each line is a question, answered as ``pced ask`` prints one (tokens coloured by document, cited
 sentences, sources). Lines starting with ``/`` change settings for the questions that follow;
 their names are ``pced ask``'s options. History is off by default: each question is asked on
-its own. With ``/history on`` a question is a follow-up of the previous turn (``follow_up``):
-retrieval searches with the question plus that turn, so "Where was she born?" finds the document
-about the person the previous answer named; the model is asked the question as typed
-(docs/daily-use.md measures why).
+its own. With ``/history on`` a question is a follow-up of the previous turn (``follow_up_query``):
+retrieval searches with the question and the names the previous answer added, so "Where was she
+born?" after "... founded by Mira Quell" reads the document about Mira Quell; the model is asked
+the question as typed (docs/daily-use.md, "Follow-up questions", measures the alternatives).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ HELP = f"""commands (settings hold for the questions that follow):
   /top-k N              documents used as experts
   /retriever NAME       {', '.join(RETRIEVERS)}
   /max-new-tokens N     tokens per answer
-  /history [on|off]     follow-ups: retrieve with the previous turn (off by default); alone: show it
+  /history [on|off]     follow-ups: retrieve with the names the previous answer gave (off by default); alone: show it
   /settings             show the current settings
   /help                 this list
   /quit                 leave (also Ctrl-D)"""
@@ -84,20 +85,34 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
     return options
 
 
-def with_previous_turn(question: str, turns: list[tuple[str, str]]) -> str:
-    """The question after the previous turn (question and answer), or alone when there is none."""
+# Capitalized words that name nothing: sentence openers, pronouns, articles.
+NOT_NAMES = {"a", "an", "the", "he", "she", "it", "they", "we", "you", "i", "his", "her", "its", "their", "this", "that",
+             "these", "those", "in", "on", "at", "of", "and", "but", "or", "yes", "no", "based", "according"}
+
+
+def names_added(question: str, answer: str) -> list[str]:
+    """The capitalized words of ``answer`` that ``question`` does not hold, in order, once each: the
+    names an answer gave ("Mira Quell" for "Who founded the Zorblax Company?"), which a follow-up
+    calls "she" or "it"."""
+    asked = {word.lower().removesuffix("'s") for word in re.findall(r"[\w'-]+", question)}
+    names: list[str] = []
+    for word in re.findall(r"\b[A-Z][\w'-]*", answer):
+        bare = word.removesuffix("'s")
+        if bare.lower() not in asked and bare.lower() not in NOT_NAMES and bare not in names:
+            names.append(bare)
+    return names
+
+
+def follow_up_query(question: str, turns: list[tuple[str, str]]) -> str:
+    """What retrieval searches with for a question that follows ``turns``: the question and the
+    names the previous answer added. Not the whole turn: its words are the previous question's,
+    and retrieval would return the previous answer's document first (measured in
+    docs/daily-use.md); an answer without names falls back to the previous question."""
     if not turns:
         return question
     previous, answer = turns[-1]
-    return f"Q: {previous}\nA: {answer}\nQ: {question}"
-
-
-def follow_up(question: str, turns: list[tuple[str, str]]) -> tuple[str, str]:
-    """(what retrieval searches with, what the model is asked) for a question after ``turns``.
-    Retrieval gets the previous turn, whose answer names what "she" or "it" is; the model gets
-    the question alone: with the turn in its prompt the embedded model repeats the previous answer
-    (docs/daily-use.md, "Follow-up questions")."""
-    return with_previous_turn(question, turns), question
+    names = names_added(previous, answer)
+    return f"{question} {' '.join(names) if names else previous}"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -129,10 +144,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return 0
             continue
         typed = line.strip()
-        query, question = follow_up(typed, session["turns"]) if session["history"] else (typed, typed)
+        query = follow_up_query(typed, session["turns"]) if session["history"] else None
         try:
-            check_question(question)
-            asked = ask(store, question, options, query=query)
+            check_question(typed)
+            asked = ask(store, typed, options, query=query)
             answer = stream_answer(asked.generation, asked.candidates, typed, console)
         except (UserError, DataError) as exc:
             print(f"pced: error: {exc}", file=sys.stderr)

@@ -28,7 +28,7 @@ def store(tmp_path_factory, tiny_llm):
 
 
 def without_timings(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in ("timings", "id")}
+    return {k: v for k, v in record.items() if k not in ("timings", "id", "question")}
 
 
 def test_batch_answers_are_the_single_answers(store, tmp_path, capsys):
@@ -43,6 +43,7 @@ def test_batch_answers_are_the_single_answers(store, tmp_path, capsys):
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.splitlines()]
     assert [r["id"] for r in lines] == [1, 2, 4]  # line numbers
+    assert [r["question"] for r in lines] == QUESTIONS  # each answer says what it answers
     assert [without_timings(r) for r in lines] == [without_timings(s) for s in singles]
     assert "questions" in captured.err  # the progress bar
     records = tmp_path / "questions.jsonl"
@@ -50,7 +51,7 @@ def test_batch_answers_are_the_single_answers(store, tmp_path, capsys):
     out = tmp_path / "answers.jsonl"
     assert main(["ask", str(store), "--questions", str(records), "--out", str(out), *settings]) == 0
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in written] == ["q0", "q1", "q2"]
+    assert [(r["id"], r["question"]) for r in written] == [("q0", QUESTIONS[0]), ("q1", QUESTIONS[1]), ("q2", QUESTIONS[2])]
     assert [without_timings(r) for r in written] == [without_timings(s) for s in singles]
 
 
@@ -84,7 +85,7 @@ def test_chat_keeps_settings_and_answers_like_ask(store):
                           text=True, env=env, timeout=600)
     assert chat.returncode == 0, chat.stderr
     out = chat.stdout
-    assert "/history on|off" in out and "ok: /top-k 2" in out and "ok: /max-new-tokens 6" in out
+    assert "/history [on|off]" in out and "ok: /top-k 2" in out and "ok: /max-new-tokens 6" in out
     assert "unknown method 'nope'" in chat.stderr and "/top-k needs a number" in chat.stderr
     answer_line = next(line for line in out.splitlines() if line.startswith("A: "))
     assert answer_line[3:].rstrip() == expected["answer"].rstrip()

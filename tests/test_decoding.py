@@ -173,7 +173,7 @@ def test_the_ban_applies_to_plain_scoring_too(tiny_llm):
     assert len(set(ids)) == 4
     vocab = len(tiny_llm.tokenizer)
     run = lambda n: Generation(CyclingRows(ids, vocab), PlainScoring(), tiny_llm,
-                               SamplingConfig(max_new_tokens=12, ignore_eos=True, no_repeat_ngram=n),
+                               SamplingConfig(max_new_tokens=12, ignore_eos=True, no_repeat_ngram=n, loop_span=0),
                                method="single").answer().token_ids
     assert run(0) == [ids[0], ids[1], ids[2], ids[3]] * 3 and repeats(run(0), 3) == 6
     assert repeats(run(3), 3) == -1 and run(3)[:6] == run(0)[:6] and run(3)[6] != run(0)[6]

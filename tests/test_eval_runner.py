@@ -9,7 +9,7 @@ import pytest
 
 from pced.cli import main
 from pced.evaluation import DatasetError, resolve_data_dir
-from pced.evaluation.runner import EvalConfig, EvalError, build_grid, run_eval, validate
+from pced.evaluation.runner import EvalConfig, EvalError, RunConfig, build_grid, run_eval, validate
 from pced.evaluation.report import format_table
 from pced.rule import RuleConfig
 
@@ -44,12 +44,12 @@ def test_grid_sweeps_pced_and_varies_baselines_only_with_top_k():
     grid = build_grid(config, RuleConfig(score_space="logprobs"))
     pced_runs = [r for r in grid if r.method == "pced"]
     assert len(pced_runs) == 2 * 2 * 2 and len(grid) == 8 + 2
-    assert {r.key for r in grid if r.method == "all"} == {"all|k=8|ret=hybrid", "all|k=16|ret=hybrid"}
-    assert pced_runs[0].key == "pced|beta=dynamic|gamma=2.5|agg=max|space=logprobs|k=8|ret=hybrid"
-    assert "pced|beta=0.5|gamma=1|agg=max|space=logprobs|k=16|ret=hybrid" in {r.key for r in grid}
+    assert {r.key for r in grid if r.method == "all"} == {"all|k=8|ret=hybrid|loop=6", "all|k=16|ret=hybrid|loop=6"}
+    assert pced_runs[0].key == "pced|beta=dynamic|gamma=2.5|agg=max|space=logprobs|k=8|ret=hybrid|loop=6"
+    assert "pced|beta=0.5|gamma=1|agg=max|space=logprobs|k=16|ret=hybrid|loop=6" in {r.key for r in grid}
     assert len({r.key for r in grid}) == len(grid)
     assert pced_runs[0].settings() == {"beta": "dynamic", "gamma": 2.5, "aggregation": "max",
-                                       "score_space": "logprobs", "top_k": 8, "retriever": "hybrid"}
+                                       "score_space": "logprobs", "top_k": 8, "retriever": "hybrid", "loop_span": 6}
     with pytest.raises(EvalError, match="--aggregation"):
         validate(EvalConfig(dataset="x", aggregation=["sum"]))
 
@@ -261,6 +261,8 @@ def test_follow_sweeps_decode_time_relevance_and_off_is_todays_run(tmp_path, tin
     (["--no-repeat-ngram", "-1"], "--no-repeat-ngram: values must be >= 0"),
     (["--no-repeat-ngram", "3,x"], "--no-repeat-ngram: 'x' is not an integer"),
     (["--no-repeat-ngram", "0,3", "--backend", "vllm"], "--no-repeat-ngram: the vllm backend"),
+    (["--loop-span", "0,1"], "--loop-span: values must be 0 (off) or at least 2"),
+    (["--loop-span", "6,"], "--loop-span: empty value"),
 ])
 def test_eval_refuses_bad_prior_and_ngram_before_any_model_loads(argv, message, tmp_path, capsys, monkeypatch):
     import pced.llm
@@ -274,7 +276,7 @@ def test_eval_refuses_bad_prior_and_ngram_before_any_model_loads(argv, message, 
 
 def test_grid_sweeps_prior_for_pced_and_the_ban_for_every_method():
     config = validate(EvalConfig(dataset="x", methods=["pced", "single"], prior=["log", "standardized"],
-                                 no_repeat_ngram=[0, 3]))
+                                 no_repeat_ngram=[0, 3], loop_span=[0]))
     grid = build_grid(config, RuleConfig(gamma=32.0))
     today = "pced|beta=dynamic|gamma=32|agg=max|space=logits|k=8|ret=hybrid"
     assert [r.key for r in grid] == [
@@ -285,7 +287,7 @@ def test_grid_sweeps_prior_for_pced_and_the_ban_for_every_method():
     assert [(r.rule.prior if r.rule else None, r.no_repeat_ngram) for r in grid] == [
         ("log", 0), ("log", 3), ("standardized", 0), ("standardized", 3), (None, 0), (None, 3)]
     # a run without the new settings has exactly the keys and settings it had before they existed
-    plain = build_grid(validate(EvalConfig(dataset="x", methods=["pced", "single"])), RuleConfig(gamma=32.0))
+    plain = build_grid(validate(EvalConfig(dataset="x", methods=["pced", "single"], loop_span=[0])), RuleConfig(gamma=32.0))
     assert [r.key for r in plain] == [today, "single|k=8|ret=hybrid"]
     assert plain[0] == grid[0] and plain[0].settings() == {"beta": "dynamic", "gamma": 32.0, "aggregation": "max",
                                                           "score_space": "logits", "top_k": 8, "retriever": "hybrid"}
@@ -294,6 +296,20 @@ def test_grid_sweeps_prior_for_pced_and_the_ban_for_every_method():
         validate(EvalConfig(dataset="x", prior=["nope"]))
     with pytest.raises(EvalError, match="--no-repeat-ngram"):
         validate(EvalConfig(dataset="x", no_repeat_ngram=[]))
+
+
+def test_the_loop_guard_is_on_by_default_and_a_key_says_so():
+    """Records decoded before the guard existed had it off: their key (no loop part) is the key of
+    --loop-span 0, so a run extended with the guard computes only the new answers."""
+    today = "pced|beta=dynamic|gamma=32|agg=max|space=logits|k=8|ret=hybrid"
+    default = build_grid(validate(EvalConfig(dataset="x", methods=["pced", "single"])), RuleConfig(gamma=32.0))
+    assert [r.key for r in default] == [today + "|loop=6", "single|k=8|ret=hybrid|loop=6"]
+    assert default[0].settings()["loop_span"] == 6 and "loop_span" not in RunConfig("single", 8, "hybrid", loop_span=0).settings()
+    swept = build_grid(validate(EvalConfig(dataset="x", loop_span=[0, 6])), RuleConfig(gamma=32.0))
+    assert [(r.key, r.loop_span) for r in swept] == [(today, 0), (today + "|loop=6", 6)]
+    for bad in ([], [1], [2.5]):
+        with pytest.raises(EvalError, match="--loop-span"):
+            validate(EvalConfig(dataset="x", loop_span=bad))
 
 
 def test_table_shows_prior_and_ngram_columns_only_when_swept():

@@ -118,9 +118,16 @@ def test_quick_start_runs_exactly_as_printed(tmp_path):
             os.killpg(server.pid, signal.SIGTERM)
     assert '"choices"' in out, err[-2000:]
 
+    # the snippet as printed, with every model load counted: it loads the model once
     script = tmp_path / "snippet.py"
     script.write_text(python_blocks[0])
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    counted = tmp_path / "count_loads.py"
+    counted.write_text("import atexit, runpy, sys\nimport pced.llm\nloads = []\nload = pced.llm.load_model\n"
+                       "pced.llm.load_model = lambda *a, **k: loads.append(1) or load(*a, **k)\n"
+                       "atexit.register(lambda: print(f'model loads: {len(loads)}', file=sys.stderr))\n"
+                       f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, str(counted)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip()
+    assert "model loads: 1" in done.stderr, done.stderr[-2000:]

@@ -44,7 +44,7 @@ def experts_json(candidates: Sequence[Candidate]) -> list[dict]:
 
 def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: float = 0.0,
                 citation_rule: CitationRule = CitationRule()) -> dict:
-    """The ``pced ask --json`` contract of DESIGN.md, plus ``citations``: one per sentence of the
+    """The ``pced ask --json`` contract (docs/reference.md, "The JSON answer"), ``citations`` included: one per sentence of the
     answer, ``{"start", "end", "text", "doc_ids"}`` (``pced.citations``)."""
     timings = {"retrieval_s": retrieval_s, "cache_load_s": 0.0, "ttft_s": 0.0, "total_s": 0.0}
     timings.update(answer.timings)

@@ -10,7 +10,8 @@ The loop knows two narrow things, both protocols here, so that methods and backe
   rule (``ContrastiveScoring``) or plain next-token scores of one row (``PlainScoring``).
 
 Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the logits processors (the
-no-repeat n-gram ban), detokenization, the trace, timings, is done here once, for every method.
+no-repeat n-gram ban), the loop guard (``pced.repetition``), detokenization, the trace, timings,
+is done here once, for every method.
 Each step runs on the logits' device and reads back one small tensor (token, winner, finiteness,
 support): one device-to-host transfer per token.
 """
@@ -26,6 +27,7 @@ from .answers import Answer, Step
 from .errors import DataError, PcedError
 from .sampling import SamplingConfig
 from .detokenize import TextTracker
+from .repetition import LoopGuard, key_of
 from .rule import AMATEUR, ContrastiveRule, RuleConfig
 
 
@@ -211,6 +213,9 @@ class Generation:
         self.amateur_only = amateur_only
         self.tracker = TextTracker.for_model(llm, sampling)
         self.trace: list[Step] = []
+        self.streamed = 0  # steps of the trace yielded so far (the loop guard holds back the rest)
+        self.guard = LoopGuard(sampling.loop_span, sampling.max_new_tokens) if sampling.loop_span and not sampling.ignore_eos else None
+        self.keys: dict[int, str] = {}
         self.timings = rows.timings  # one dict: the rows' cache_load_s / suffix_forward_s, then ttft_s, total_s
         self.last_logits: torch.Tensor | None = None  # [R, V] of the latest step, for tests and tools
         self.deadline: Deadline | None = None  # checked before the prefill and between tokens
@@ -266,7 +271,10 @@ class Generation:
                 break
             step = Step(index, token, piece, winner, self.scoring.doc_id(winner), support, self.step_relevance())
             self.trace.append(step)
-            yield step
+            if self.guard is not None and self.guard.push(self.key(token)):
+                self.cut(self.guard.keep)
+                break
+            yield from self.release(self.guard.held if self.guard is not None else 0)
             if self.tracker.finished or index + 1 == self.sampling.max_new_tokens:
                 break
             if history is not None:
@@ -279,6 +287,24 @@ class Generation:
             self.trace[-1].text += rest
         self.timings["total_s"] = time.perf_counter() - started
         self.timings.setdefault("ttft_s", self.timings["total_s"])
+        yield from self.release(0)
+
+    def key(self, token: int) -> str:
+        if token not in self.keys:
+            self.keys[token] = key_of(self.tracker.tokenizer, token)
+        return self.keys[token]
+
+    def release(self, held: int) -> Iterator[Step]:
+        """Yield the steps of the trace not yet streamed, but the last ``held``."""
+        end = len(self.trace) - held
+        while self.streamed < end:
+            self.streamed += 1
+            yield self.trace[self.streamed - 1]
+
+    def cut(self, keep: int) -> None:
+        """The answer loops: keep its first ``keep`` tokens (none of the rest was streamed)."""
+        del self.trace[keep:]
+        self.tracker.truncate(keep)
 
     def check_deadline(self) -> None:
         if self.deadline is not None:

@@ -40,6 +40,14 @@ class TextTracker:
         piece, self.text = stable[len(self.text) :], stable
         return piece
 
+    def truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens and finish (the loop guard cut a repeat off). The text is
+        what those tokens streamed; ``flush`` releases an incomplete character held at the end."""
+        self.ids = self.ids[:keep]
+        self.full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.text = self.full.rstrip("\ufffd")
+        self.finished = True
+
     def flush(self) -> str:
         """Whatever was held back (an incomplete character at the very end)."""
         rest = self.full[len(self.text) :]

@@ -19,7 +19,7 @@ from .decoding import Generation
 from .documents import Candidate
 from .errors import UserError
 from .methods import start
-from .options import AskOptions, check_question
+from .options import AskOptions, check_question, check_text
 
 
 def prune_candidates(
@@ -55,7 +55,7 @@ class Asked:
         return self.generation.answer()
 
     def json(self) -> dict:
-        """The ``pced ask --json`` contract (DESIGN.md); experts that joined mid-answer come last."""
+        """The ``pced ask --json`` contract (docs/reference.md); experts that joined mid-answer come last."""
         answer = self.answer()
         return answer_json(answer, self.candidates + list(getattr(self.generation, "joined", [])), self.retrieval_s)
 
@@ -81,9 +81,13 @@ def ask_candidates(generator, candidates: Sequence[Candidate], question: str, op
     return Asked(question, candidates, retrieval_s, generation)
 
 
-def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
-    """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``."""
+def ask(store, question: str, options: AskOptions = AskOptions(), query: str | None = None) -> Asked:
+    """Retrieve from ``store`` (a ``pced.store.DocumentStore``), then start ``options.method``.
+    ``query``: what retrieval searches with, when not the question alone (a chat's follow-up adds
+    the names the previous answer gave, which the question only refers to)."""
     check_question(question)
+    if query is not None:
+        check_text(query, "the retrieval query")
     generator = store.generator_for(options.backend, options.backend_settings)
     generator.backend.prepare(generator.llm, generator.settings)  # before retrieval loads its libraries
 
@@ -92,7 +96,7 @@ def ask(store, question: str, options: AskOptions = AskOptions()) -> Asked:
                               reranker_path=options.reranker)
 
     started = time.perf_counter()
-    candidates = rank(question, options.top_k)
+    candidates = rank(question if query is None else query, options.top_k)
     return ask_candidates(generator, candidates, question, options, time.perf_counter() - started, rank)
 
 

@@ -3,8 +3,8 @@
 FILE holds one question a line, or JSON Lines ``{"id", "question"}`` (chosen by content: a first
 line that is a JSON object with "question" makes the whole file JSON Lines). Every question is
 checked before the model loads; the model, the retrievers and the store are then loaded once and
-each answer is written as soon as it is done: the ``pced ask --json`` object plus ``id`` (the
-given id, or the question's line number). A question that fails while answering gets
+each answer is written as soon as it is done: ``id`` (the given id, or the question's line
+number), ``question``, then the ``pced ask --json`` object. A question that fails while answering gets
 ``{"id", "question", "error"}`` and the others go on (exit code 1 at the end).
 """
 
@@ -82,7 +82,7 @@ def cmd_ask_many(args: argparse.Namespace) -> int:
     try:
         for qid, question in tqdm(questions, desc="questions", unit="q", file=sys.stderr):
             try:
-                record = {"id": qid, **ask(store, question, options).json()}
+                record = {"id": qid, "question": question, **ask(store, question, options).json()}
             except (ValueError, RuntimeError) as exc:  # one question's failure (a damaged cache, ...)
                 record, failed = {"id": qid, "question": question, "error": str(exc)}, failed + 1
             out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -3,27 +3,31 @@
 Each line is a question, answered as ``pced ask`` prints one (tokens coloured by document, cited
 sentences, sources). Lines starting with ``/`` change settings for the questions that follow;
 their names are ``pced ask``'s options. History is off by default: each question is asked on
-its own; ``/history on`` prepends the previous turns (so a follow-up question is retrieved and
-answered with them), up to the question length limit.
+its own. With ``/history on`` a question is a follow-up of the previous turn (``follow_up_query``):
+retrieval searches with the question and the names the previous answer added, so "Where was she
+born?" after "... founded by Mira Quell" reads the document about Mira Quell; the model is asked
+the question as typed (docs/daily-use.md, "Follow-up questions", measures the alternatives).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 
 from ..errors import DataError, UserError
-from ..options import MAX_QUESTION_CHARS, METHODS, RETRIEVERS, AskOptions, check_question
+from ..options import METHODS, RETRIEVERS, AskOptions, check_question
 from .common import InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options, \
     ask_options_from, open_store
+from .terminal import count, printable
 
 HELP = f"""commands (settings hold for the questions that follow):
   /method NAME          {', '.join(METHODS)}
   /top-k N              documents used as experts
   /retriever NAME       {', '.join(RETRIEVERS)}
   /max-new-tokens N     tokens per answer
-  /history on|off       prepend the previous turns to each question (off by default)
+  /history [on|off]     follow-ups: retrieve with the names the previous answer gave (off by default); alone: show it
   /settings             show the current settings
   /help                 this list
   /quit                 leave (also Ctrl-D)"""
@@ -60,9 +64,17 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
             options = replace(options, retriever=value)
         elif name == "max-new-tokens":
             options = replace(options, sampling=replace(options.sampling, max_new_tokens=int(value)))
+        elif name == "history" and not value:
+            if not session["history"]:
+                print("history off: each question is asked on its own (/history on: follow-ups of the previous turn)")
+            elif session["turns"]:
+                print(f'history on: the next question follows up on "{printable(session["turns"][-1][0], newlines=False)}"')
+            else:
+                print("history on: the next question is the first of the conversation")
+            return options
         elif name == "history":
             if value not in ("on", "off"):
-                raise ValueError("history is on or off")
+                raise ValueError(f"/history takes on or off, got {value!r}")
             session["history"], session["turns"] = value == "on", []
         else:
             raise ValueError(f"unknown command /{name}; /help lists them")
@@ -73,13 +85,34 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
     return options
 
 
-def with_history(question: str, turns: list[tuple[str, str]]) -> str:
-    """The question after the previous turns, dropping the oldest beyond the length limit."""
-    for start in range(len(turns) + 1):
-        text = "".join(f"Q: {q}\nA: {a}\n" for q, a in turns[start:]) + (f"Q: {question}" if turns[start:] else question)
-        if len(text) <= MAX_QUESTION_CHARS:
-            return text
-    return question
+# Capitalized words that name nothing: sentence openers, pronouns, articles.
+NOT_NAMES = {"a", "an", "the", "he", "she", "it", "they", "we", "you", "i", "his", "her", "its", "their", "this", "that",
+             "these", "those", "in", "on", "at", "of", "and", "but", "or", "yes", "no", "based", "according"}
+
+
+def names_added(question: str, answer: str) -> list[str]:
+    """The capitalized words of ``answer`` that ``question`` does not hold, in order, once each: the
+    names an answer gave ("Mira Quell" for "Who founded the Zorblax Company?"), which a follow-up
+    calls "she" or "it"."""
+    asked = {word.lower().removesuffix("'s") for word in re.findall(r"[\w'-]+", question)}
+    names: list[str] = []
+    for word in re.findall(r"\b[A-Z][\w'-]*", answer):
+        bare = word.removesuffix("'s")
+        if bare.lower() not in asked and bare.lower() not in NOT_NAMES and bare not in names:
+            names.append(bare)
+    return names
+
+
+def follow_up_query(question: str, turns: list[tuple[str, str]]) -> str:
+    """What retrieval searches with for a question that follows ``turns``: the question and the
+    names the previous answer added. Not the whole turn: its words are the previous question's,
+    and retrieval would return the previous answer's document first (measured in
+    docs/daily-use.md); an answer without names falls back to the previous question."""
+    if not turns:
+        return question
+    previous, answer = turns[-1]
+    names = names_added(previous, answer)
+    return f"{question} {' '.join(names) if names else previous}"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -93,7 +126,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()
     session = {"history": False, "turns": []}
-    print(f"pced chat: {store.root}, {len(store.documents)} documents. /help for commands, /quit to leave.")
+    print(f"pced chat: {store.root}, {count(len(store.documents), 'document')}. /help for commands, /quit to leave.")
     while True:
         try:
             line = input("> " if interactive else "")
@@ -110,11 +143,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if options is None:
                 return 0
             continue
-        question = with_history(line.strip(), session["turns"]) if session["history"] else line.strip()
+        typed = line.strip()
+        query = follow_up_query(typed, session["turns"]) if session["history"] else None
         try:
-            check_question(question)
-            asked = ask(store, question, options)
-            answer = stream_answer(asked.generation, asked.candidates, question, console)
+            check_question(typed)
+            asked = ask(store, typed, options, query=query)
+            answer = stream_answer(asked.generation, asked.candidates, typed, console)
         except (UserError, DataError) as exc:
             print(f"pced: error: {exc}", file=sys.stderr)
             continue
@@ -122,5 +156,5 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("\n(stopped)")
             continue
         if session["history"]:
-            session["turns"].append((line.strip(), answer.text.strip()))
+            session["turns"] = [(typed, answer.text.strip())]  # a follow-up refers to the turn before it
 

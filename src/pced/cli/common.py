@@ -87,6 +87,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=SAMPLING.no_repeat_ngram, metavar="N",
                        help="never generate an n-gram of N tokens the answer already holds, after the rule, for every "
                             f"method (default {SAMPLING.no_repeat_ngram}: off)")
+    group.add_argument("--loop-span", dest="loop_span", type=int, default=SAMPLING.loop_span, metavar="N",
+                       help="end the answer where it starts to loop: a span of N tokens or more twice in a row, or of "
+                            f"2 or more three times; one copy stays (default {SAMPLING.loop_span}; 0: off)")
     group.add_argument("--max-experts", type=int, default=AskOptions.max_experts,
                        help="PCED: keep at most this many experts (by relevance)")
     group.add_argument("--prune-margin", type=float, default=AskOptions.prune_margin,
@@ -136,7 +139,8 @@ def ask_options_from(args: argparse.Namespace) -> AskOptions:
     settings = backend_settings_from(args)
     try:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.sample_top_k,
-                                  top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram)
+                                  top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), no_repeat_ngram=args.no_repeat_ngram,
+                                  loop_span=args.loop_span)
         return AskOptions(**fields, sampling=sampling, backend_settings=settings)
     except UserError as exc:
         raise InputError(str(exc)) from None

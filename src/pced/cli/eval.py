@@ -56,6 +56,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--no-repeat-ngram", dest="no_repeat_ngram", default=None, metavar="N",
                    help="every method: never repeat an n-gram of N tokens of the answer (0 = off; default "
                         f"{SamplingConfig.no_repeat_ngram}); {SWEEP_HELP}")
+    p.add_argument("--loop-span", dest="loop_span", default=None, metavar="N",
+                   help="every method: end an answer where a span of N tokens or more repeats back to back (0 = off; "
+                        f"default {SamplingConfig.loop_span}); {SWEEP_HELP}")
     p.add_argument("--paper-defaults", action="store_true",
                    help="unset PCED settings from the paper's rule (default: the per-model-family defaults)")
     p.add_argument("--max-new-tokens", default=str(EVAL.max_new_tokens),
@@ -136,6 +139,11 @@ def config_from(args: argparse.Namespace):
         nrngs = [_number(n, "--no-repeat-ngram", integer=True) for n in _items(args.no_repeat_ngram, "--no-repeat-ngram")]
         if min(nrngs) < 0:
             raise InputError(f"--no-repeat-ngram: values must be >= 0 (0 = off), got {min(nrngs)}")
+    loops = None
+    if args.loop_span is not None:
+        loops = [_number(n, "--loop-span", integer=True) for n in _items(args.loop_span, "--loop-span")]
+        if any(n != 0 and n < 2 for n in loops):
+            raise InputError(f"--loop-span: values must be 0 (off) or at least 2, got {min(loops)}")
     backend_settings = backend_settings_from(args)
     return EvalConfig(
         dataset=args.dataset,
@@ -151,6 +159,7 @@ def config_from(args: argparse.Namespace):
         score_space=_choices(args.score_space, "--score-space", SCORE_SPACES),
         prior=_choices(args.prior, "--prior", PRIORS),
         no_repeat_ngram=nrngs,
+        loop_span=loops,
         paper_defaults=args.paper_defaults,
         max_new_tokens=_int_option(args.max_new_tokens, "--max-new-tokens", 1),
         seed=_int_option(args.seed, "--seed", 0),

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from ..answers import Answer
 from ..citations import Citation, cite_answer, sources
-from .terminal import printable
+from .terminal import count, printable
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]
 AMATEUR_STYLE = "dim"
@@ -84,6 +84,6 @@ def stream_answer(generation, candidates: Sequence, question: str, console: Cons
     t = answer.timings
     console.print(
         f"[dim]time to first token {t.get('ttft_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s, "
-        f"{len(answer.trace)} tokens" + (f", beta {' '.join(f'{b:.3f}' for b in answer.betas)}" if answer.betas else "") + "[/dim]"
+        f"{count(len(answer.trace), 'token')}" + (f", beta {' '.join(f'{b:.3f}' for b in answer.betas)}" if answer.betas else "") + "[/dim]"
     )
     return answer

@@ -54,10 +54,10 @@ def add_ask_parser(sub) -> None:
     p = sub.add_parser("ask", help="answer a question from a store")
     p.add_argument("store", help="store directory built by pced index")
     p.add_argument("question", nargs="?", help="the question (or --questions FILE)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (the DESIGN.md contract)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (docs/reference.md, \"The JSON answer\")")
     p.add_argument("--questions", metavar="FILE", default=None,
                    help='answer every question of FILE (one a line, or JSON Lines {"id", "question"}) with the model '
-                        "loaded once; writes JSON Lines: the --json object plus id")
+                        "loaded once; writes JSON Lines: id, question and the --json object")
     p.add_argument("--out", default=None, help="with --questions: write the JSON Lines here (default: stdout)")
     p.add_argument("--trace-png", default=None, help="save the expert-trace picture to this PNG")
     add_retrieval_options(p)

@@ -20,3 +20,8 @@ def printable(text: str, newlines: bool = True) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def count(n: int, thing: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: "1 document", "3 documents", "0 entries"."""
+    return f"{n:,} {thing if n == 1 else plural or thing + 's'}"

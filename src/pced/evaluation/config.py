@@ -39,6 +39,7 @@ class EvalConfig:
     score_space: Sequence[str] | None = None
     prior: Sequence[str] | None = None
     no_repeat_ngram: Sequence[int] | None = None  # every method's runs (None: SamplingConfig's, off)
+    loop_span: Sequence[int] | None = None  # every method's runs: the loop guard (None: SamplingConfig's)
     paper_defaults: bool = False
     max_new_tokens: int = SamplingConfig.max_new_tokens
     seed: int = 42  # dataset shuffles and sampled baselines
@@ -74,6 +75,7 @@ class RunConfig:
     follow: str | None = None  # PCED only: "rescore", "join" or "rescore+join" (None: off)
     max_joins: int = 0
     no_repeat_ngram: int = SamplingConfig.no_repeat_ngram  # every method
+    loop_span: int = SamplingConfig.loop_span  # every method; 0 (off) is what earlier records were decoded with
 
     def ask_fields(self) -> dict:
         """The AskOptions fields of the decode-time relevance mode."""
@@ -94,6 +96,7 @@ class RunConfig:
         parts += [f"rel={self.relevance}"] if self.relevance else []
         parts += [f"follow={self.follow}" + (f",joins={self.max_joins}" if "join" in self.follow else "")] if self.follow else []
         parts += [f"nrng={self.no_repeat_ngram}"] if self.no_repeat_ngram else []
+        parts += [f"loop={self.loop_span}"] if self.loop_span else []
         return "|".join(parts)
 
     def settings(self) -> dict:
@@ -107,6 +110,7 @@ class RunConfig:
         out.update(top_k=self.top_k, retriever=self.retriever)
         out.update({"relevance": self.relevance} if self.relevance else {})
         out.update({"no_repeat_ngram": self.no_repeat_ngram} if self.no_repeat_ngram else {})
+        out.update({"loop_span": self.loop_span} if self.loop_span else {})
         return {**out, **self.ask_fields()} if self.follow else out
 
 
@@ -166,6 +170,12 @@ def validate(config: EvalConfig) -> EvalConfig:
     if nrng and any(nrng) and runs_pced and not backend.capabilities.no_repeat_ngram:
         raise EvalError(f"--no-repeat-ngram: the {backend.name} backend decodes inside its engine's sampler; use "
                         f"--backend {DEFAULT_BACKEND}")
+    loops = None if config.loop_span is None else list(dict.fromkeys(config.loop_span))
+    if loops == []:
+        raise EvalError("--loop-span is empty")
+    for n in loops or []:
+        if isinstance(n, bool) or int(n) != n or not (n == 0 or n >= 2):
+            raise EvalError(f"--loop-span values must be 0 (off) or integers >= 2, got {config.loop_span!r}")
     from pced.methods.follow import MODES
 
     follow = None if config.follow is None else list(dict.fromkeys(config.follow))
@@ -184,7 +194,8 @@ def validate(config: EvalConfig) -> EvalConfig:
         raise EvalError(f"--max-joins must be between 1 and 64, got {config.max_joins}")
     return replace(config, methods=methods, top_k=[int(k) for k in top_k], relevance=relevance, follow=follow,
                    backend_settings=backend_settings,
-                   no_repeat_ngram=None if nrng is None else [int(n) for n in nrng], **sweeps)
+                   no_repeat_ngram=None if nrng is None else [int(n) for n in nrng],
+                   loop_span=None if loops is None else [int(n) for n in loops], **sweeps)
 
 
 def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
@@ -194,17 +205,19 @@ def build_grid(config: EvalConfig, base: RuleConfig) -> list[RunConfig]:
     lists = [config.beta or [base.beta], config.gamma or [base.gamma], config.aggregation or [base.aggregation],
              config.score_space or [base.score_space], config.prior or [base.prior]]
     nrngs = config.no_repeat_ngram or [SamplingConfig.no_repeat_ngram]
+    loops = config.loop_span or [SamplingConfig.loop_span]
     for method in config.methods:
         for k in config.top_k:
             if method != "pced":
-                grid += [RunConfig(method, k, config.retriever, no_repeat_ngram=n) for n in nrngs]
+                grid += [RunConfig(method, k, config.retriever, no_repeat_ngram=n, loop_span=loop)
+                         for n, loop in product(nrngs, loops)]
                 continue
             follows = [None if f == "off" else f for f in (config.follow or ["off"])]
-            for beta, gamma, aggregation, space, prior, relevance, follow, n in product(
-                    *lists, config.relevance or [None], follows, nrngs):
+            for beta, gamma, aggregation, space, prior, relevance, follow, n, loop in product(
+                    *lists, config.relevance or [None], follows, nrngs, loops):
                 rule = RuleConfig(beta=beta, gamma=gamma, aggregation=aggregation, score_space=space, prior=prior)
                 grid.append(RunConfig(method, k, config.retriever, rule, relevance, follow,
-                                      config.max_joins if follow else 0, n))
+                                      config.max_joins if follow else 0, n, loop))
     return grid
 
 

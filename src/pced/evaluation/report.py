@@ -20,10 +20,10 @@ __all__ = ["completed_pairs", "format_table", "read_results", "summarize", "writ
 METHOD_NAMES = {"pced": "PCED", "all": "Corpus in Ctx (All)", "single": "Corpus in Ctx (Single)",
                 "ape": "APE", "mapreduce": "MapReduce"}
 RULE_SETTINGS = ("beta", "gamma", "aggregation", "score_space", "prior")
-SETTING_ORDER = (*RULE_SETTINGS, "top_k", "retriever", "relevance", "no_repeat_ngram")
+SETTING_ORDER = (*RULE_SETTINGS, "top_k", "retriever", "relevance", "no_repeat_ngram", "loop_span")
 # Settings a record leaves out at the value every earlier record was decoded with (RunConfig.settings);
 # their table column only appears when a row sets them.
-IMPLIED = {"prior": "log", "no_repeat_ngram": 0}
+IMPLIED = {"prior": "log", "no_repeat_ngram": 0, "loop_span": 0}
 OPTIONAL_COLUMNS = ("relevance", *IMPLIED)
 # plot file -> the setting it sweeps; top-k and the n-gram ban are drawn for every method, the others for PCED only
 PLOTS = {"topk.png": "top_k", "beta.png": "beta", "gamma.png": "gamma",
@@ -32,9 +32,9 @@ PLOTS = {"topk.png": "top_k", "beta.png": "beta", "gamma.png": "gamma",
 EVERY_METHOD = ("top_k", "no_repeat_ngram")
 AXIS_LABELS = {"top_k": "top-k experts", "beta": "beta", "gamma": "gamma", "aggregation": "aggregation",
                "score_space": "score space", "prior": "prior", "relevance": "relevance from",
-               "no_repeat_ngram": "no-repeat n-gram (0 = off)"}
+               "no_repeat_ngram": "no-repeat n-gram (0 = off)", "loop_span": "loop guard span (0 = off)"}
 SHORT_NAMES = {"aggregation": "agg", "score_space": "space", "top_k": "k", "retriever": "ret", "relevance": "rel",
-               "no_repeat_ngram": "nrng"}
+               "no_repeat_ngram": "nrng", "loop_span": "loop"}
 
 
 def read_results(path: Path) -> list[dict]:
@@ -142,7 +142,8 @@ def format_table(summary: dict) -> str:
     rows = summary.get("results", [])
     settings = [s for s in SETTING_ORDER if s not in OPTIONAL_COLUMNS or any(r.get(s) for r in rows)]
     names = {"beta": "β", "gamma": "γ", "aggregation": "Aggregation", "score_space": "Score space", "prior": "Prior",
-             "top_k": "k", "retriever": "Retriever", "relevance": "Relevance", "no_repeat_ngram": "No-repeat n-gram"}
+             "top_k": "k", "retriever": "Retriever", "relevance": "Relevance", "no_repeat_ngram": "No-repeat n-gram",
+             "loop_span": "Loop span"}
     follows = any("rescore" in r or "max_joins" in r for r in rows)  # PCED's decode-time relevance swept
     columns = ["Method", *(names[s] for s in settings), *(["Follow"] if follows else []), "n", metric, "TTFT (s)", "Total (s)"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -204,7 +205,7 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
         if parameter not in EVERY_METHOD:  # baselines at the same top-k, for scale
             for row in rows:
                 if row["method"] != "pced" and all(setting(row, s) == setting(reference, s)
-                                                   for s in ("top_k", "retriever", "no_repeat_ngram")):
+                                                   for s in ("top_k", "retriever", "no_repeat_ngram", "loop_span")):
                     ax.axhline(row["score"], linestyle="--", linewidth=1, color="grey")
                     ax.annotate(METHOD_NAMES.get(row["method"], row["method"]), (0.01, row["score"]),
                                 xycoords=("axes fraction", "data"), fontsize=7, color="grey")

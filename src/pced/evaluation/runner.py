@@ -65,7 +65,7 @@ def evaluate_one(generator, dataset: Dataset, example: Example, run: RunConfig,
     try:
         rule = {} if run.rule is None else {k: getattr(run.rule, k)
                                             for k in ("beta", "gamma", "aggregation", "score_space", "prior")}
-        sampling = replace(sampling, no_repeat_ngram=run.no_repeat_ngram)
+        sampling = replace(sampling, no_repeat_ngram=run.no_repeat_ngram, loop_span=run.loop_span)
         options = AskOptions(method=run.method, sampling=sampling, backend=generator.backend.name,
                              backend_settings=generator.settings, **rule, **run.ask_fields())
         asked = ask_candidates(generator, candidates, example.question, options, retrieve=retrieve if run.follow else None)

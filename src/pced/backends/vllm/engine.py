@@ -39,7 +39,7 @@ import torch
 
 from ...errors import UserError
 from ...sampling import SamplingConfig
-from ...decoding import Decision, Generation, Rows
+from ...decoding import Decision, Rows
 from ...documents import Candidate
 from .settings import VLLMSettings
 from ...prompts import PromptBuilder
@@ -327,12 +327,3 @@ class TapeScoring:
     def betas(self) -> list[float]:
         return self.read_betas()
 
-
-class VLLMGeneration(Generation):
-    """One PCED question on vLLM through the one decoding loop."""
-
-    def __init__(self, engine: VLLMEngine, llm, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
-                 rule: RuleConfig, sampling: SamplingConfig = SamplingConfig(), store=None):
-        rows = EngineRows(engine, builder, candidates, question, rule, sampling, store)
-        super().__init__(rows, TapeScoring(rows.betas, candidates, rule), llm, sampling, method="pced",
-                         amateur_only=not candidates)

@@ -10,6 +10,8 @@ row sees exactly the positions and keys of its own sequential prompt. Where ever
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -49,7 +51,11 @@ class BufferLayer(CacheLayerMixin):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers 5.0-5.3 pass the queries' cache_position tensor (cache_utils.py:123 of 5.0.0),
+        # 5.4 and later their count (cache_utils.py:48 of 5.4.0)
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -57,6 +63,9 @@ class BufferLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.keys.shape[-2]
+
+    def get_max_cache_shape(self) -> int:  # get_max_length's name and abstract method before 5.13 (cache_utils.py:54 of 5.0.0)
+        return self.get_max_length()
 
 
 class BufferCache(Cache):
@@ -95,6 +104,23 @@ class BufferCache(Cache):
             self.value_buffer[:, :, :, self.length :] = 0
         for layer in self.layers:
             layer.slot = slot
+
+
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes its cache. transformers 5.24 renamed it
+    ``cache`` and deprecated ``past_key_values`` (removed in 5.40: ``@deprecate_kwarg("past_key_values",
+    "5.40.0", new_name="cache")`` on ``LlamaForCausalLM.forward``, models/llama/modeling_llama.py:427 of
+    5.24.0, warning with a FutureWarning on every call, utils/deprecation.py:171); 5.0 to 5.23 know only
+    ``past_key_values`` (modeling_llama.py:461 of 5.0.0, :432 of 5.23.0). The signature says which:
+    ``deprecate_kwarg`` keeps it readable through ``functools.wraps`` (utils/deprecation.py:121)."""
+    kind = type(model)
+    if kind not in _CACHE_KEYWORD:
+        parameters = inspect.signature(kind.forward).parameters
+        _CACHE_KEYWORD[kind] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORD[kind]
 
 
 def additive_mask(valid: torch.Tensor, start: int, query_length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -136,7 +162,7 @@ def forward_slots(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
         logits_to_keep=1 if last_only else 0,
         **model_kwargs,  # reach the attention function (transformers passes them through)
@@ -153,9 +179,10 @@ def decode_one_token(model: torch.nn.Module, cache: BufferCache, valid: torch.Te
     over the whole capacity under its validity mask. Same shapes every step, no host value: the
     step ``torch.compile`` can trace once (and CUDA graphs can replay). Returns logits [B, V]."""
     valid.index_fill_(1, slot, True)
+    keyword = cache_keyword(model)  # a dictionary hit: the prefill's forward_slots looked it up
     dtype = cache.key_buffer.dtype
     mask = torch.zeros(valid.shape[0], 1, 1, valid.shape[1], dtype=dtype, device=valid.device)
     mask = mask.masked_fill(~valid[:, None, None, :], torch.finfo(dtype).min)
-    out = model(input_ids=token, position_ids=position, attention_mask=mask, past_key_values=cache, use_cache=True,
+    out = model(input_ids=token, position_ids=position, attention_mask=mask, **{keyword: cache}, use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]

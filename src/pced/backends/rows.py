@@ -123,8 +123,9 @@ class ExpertRows(CachedRows):
         suffix_len = max(len(self.suffix_ids), len(self.amateur_suffix_ids))
         check_window(self.llm, "pced", "longest expert's prompt", prefix_len + longest + suffix_len, self.max_new_tokens)
         capacity = prefix_len + longest + suffix_len + self.max_new_tokens
-        # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
-        cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)
+        # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage),
+        # so the last question's buffer serves again without faulting in fresh pages.
+        cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False, reuse=True)
         keys, values = self.prefix.on(device)
         cache.key_buffer[:, :, :, :prefix_len] = keys[:, None]
         cache.value_buffer[:, :, :, :prefix_len] = values[:, None]

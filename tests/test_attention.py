@@ -185,3 +185,66 @@ def test_no_environment_variable_and_registration_on_use(tiny_model_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]", "False", "True"]
+
+
+def pced_layout(prefix, lengths, suffix, amateur_pad, generated):
+    """PCED's validity: row 0 the amateur (prefix, its suffix left-padded), row k prefix + document k
+    (padded to the longest) + suffix, then the generated slots; [B, kv] boolean."""
+    longest = max(lengths)
+    valid = torch.zeros(len(lengths) + 1, prefix + longest + suffix + generated, dtype=torch.bool)
+    valid[:, :prefix] = True
+    for row, length in enumerate([0] + list(lengths)):
+        valid[row, prefix : prefix + length] = True
+    valid[:, prefix + longest :] = True
+    valid[0, prefix + longest : prefix + longest + amateur_pad] = False
+    return valid
+
+
+@pytest.mark.parametrize("lengths,amateur_pad,prefix", [
+    ([24, 24, 24], 2, 6),       # equal documents: the amateur's document slots are the only gap
+    ([3, 30, 12, 30], 0, 6),    # mixed lengths: runs of one row, and two rows of the longest
+    ([5, 9], 3, 0),             # no prefix: the amateur has no keys before its suffix
+])
+@pytest.mark.parametrize("kind", ["additive", "boolean"])
+def test_attention_by_each_rows_own_length_equals_plain_attention(monkeypatch, lengths, amateur_pad, prefix, kind):
+    """The decode step over each row's own keys (runs of rows over [0, end), one masked call over the
+    shared tail, joined by log-sum-exp) against float64 attention over the padded batch."""
+    monkeypatch.setattr(attention, "SEGMENTED_MIN_SKIPPED_SHARE", 0.0)
+    valid = pced_layout(prefix, lengths, 5, amateur_pad, 3)
+    batch, kv_len = valid.shape
+    query, key, value = inputs(batch=batch, kv_len=kv_len)
+    allowed = valid[:, None, None, :]
+    mask = allowed if kind == "boolean" else torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    assert attention.row_spans(mask, batch, kv_len) is not None  # the path under test is taken
+    out, _ = pced_attention_forward(Module(4), query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(out.double(), reference(query, key, value, allowed, 0.25), atol=FP32_TOLERANCE, rtol=0)
+
+
+def test_attention_by_row_length_is_chosen_only_when_it_skips_enough():
+    valid = pced_layout(8, [40] * 6, 5, 0, 1)  # only the amateur's document slots are masked: 14%
+    mask = torch.zeros(valid.shape)[:, None, None].masked_fill_(~valid[:, None, None], torch.finfo(torch.float32).min)
+    assert attention.row_spans(mask, *valid.shape) is None
+    valid = pced_layout(8, [40, 2, 3, 4, 5, 6], 5, 0, 1)  # mostly padding
+    mask = torch.zeros(valid.shape)[:, None, None].masked_fill_(~valid[:, None, None], torch.finfo(torch.float32).min)
+    spans = attention.row_spans(mask, *valid.shape)
+    assert spans is not None and spans[0] == 8 + 40 and len(spans[1]) == 7
+
+
+def test_a_pced_answer_by_each_rows_own_length_equals_one_masked_call(tiny_llm, monkeypatch):
+    """Documents of very different lengths on the tiny model: same tokens, logits within 1e-4 (two
+    float32 attention kernels, summed in a different order)."""
+    docs = DOCS + ["Oskvale.", "Lake Tarnow freezes every winter. " * 5]
+    llm, builder, prefix, caches = encode_setup(tiny_llm, docs)
+
+    def run(share):
+        monkeypatch.setattr(attention, "SEGMENTED_MIN_SKIPPED_SHARE", share)
+        experts = [Expert(f"d{i}", 0.8 - 0.1 * i, lambda kv=kv: kv) for i, kv in enumerate(caches)]
+        generation = PCEDGeneration(llm, prefix, experts, builder.suffix_ids(QUESTION),
+                                    builder.suffix_ids(QUESTION, False), RuleConfig(),
+                                    SamplingConfig(max_new_tokens=8, ignore_eos=True))
+        return [(step.token_id, step.winner, generation.last_logits.clone()) for step in generation]
+
+    by_row, one_call = run(0.0), run(2.0)
+    assert [t[:2] for t in by_row] == [t[:2] for t in one_call]
+    for (_, _, a), (_, _, b) in zip(by_row, one_call):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

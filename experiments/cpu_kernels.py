@@ -3,9 +3,11 @@
     python experiments/cpu_kernels.py --ks 4,8,16,32 --out docs/bench/cpu-kernels
 
 The fast path is what ``load_model`` picks on an x86 CPU: oneDNN-packed linear layers and output
-layer (``pced.llm.pack_linear_layers``) and the batch buffer of the previous question written again
-instead of fresh pages (``pced.kv.buffer.SpareBuffer``). The plain path is ``nn.Linear`` (MKL) and a
-fresh buffer per question, as before. On the embedded model (float32, the thread count pced uses by
+layer (``pced.llm.pack_linear_layers``), the batch buffer of the previous question written again
+instead of fresh pages (``pced.kv.buffer.SpareBuffer``), and the decode step's attention by each
+row's own length where padding is heavy (``pced.kv.attention.row_spans``; --attention measures it).
+The plain path is ``nn.Linear`` (MKL), a fresh buffer per question and one masked attention call,
+as before. On the embedded model (float32, the thread count pced uses by
 default), per k: PCED's rows over k secret-code documents of --doc-tokens tokens (a real store,
 float16 caches read from the page cache), the time to the first logits (cache load + the question
 suffix's forward for the k + 1 rows) and the median decode step, plain and fast alternated repeat by
@@ -41,6 +43,7 @@ import torch
 from pced.backends.rows import ExpertRows
 from pced.bench.floor import copy_bandwidth, kv_bytes_per_token, weight_bytes
 from pced.bench.run import secret_code_documents
+from pced.kv import attention
 from pced.kv.buffer import SpareBuffer
 from pced.kv.store import KVStore
 from pced.llm import choose_linear_kernel, load_model
@@ -152,10 +155,15 @@ def run_rows(llm, prefix, loaders, suffix, amateur_suffix, steps: int) -> dict:
             "tokens": tokens, "first_logits": first_logits, "last_logits": logits.clone()}
 
 
+DEFAULT_SKIPPED_SHARE = attention.SEGMENTED_MIN_SKIPPED_SHARE
+
+
 def set_path(llm, path: str) -> None:
     choose_linear_kernel(llm, "onednn" if path == "fast" else "plain")
+    # before: one masked attention call whatever the padding, a fresh buffer for every question
+    attention.SEGMENTED_MIN_SKIPPED_SHARE = DEFAULT_SKIPPED_SHARE if path == "fast" else 2.0
     if path == "plain":
-        SpareBuffer.of(llm.model).drop()  # a fresh buffer, as every question had before
+        SpareBuffer.of(llm.model).drop()
 
 
 def main(argv=None) -> dict:
@@ -249,14 +257,12 @@ def main(argv=None) -> dict:
 def attention_plans(llm, store, builder, digests, prefix, suffix, amateur, args) -> list[dict]:
     """The decode step (fast path) with attention by each row's own length forced on and off:
     16 documents of the run's length, then 16 of mixed lengths (32 to 480 tokens)."""
-    from pced.kv import attention
-
     mixed = []
     for i, tokens in enumerate(range(32, 481, 28)):
         docs, _, _ = secret_code_documents(llm, 1, tokens, 100 + i)
         mixed += store.add([d.render() for d in docs], progress=False)
     set_path(llm, "fast")
-    out, default = [], attention.SEGMENTED_MIN_SKIPPED_SHARE
+    out = []
     for name, chosen in (("equal", digests[:16]), ("mixed", mixed)):
         lengths = [store.load(h).n_tokens for h in chosen]
         slots = (len(chosen) + 1) * (prefix.n_tokens + max(lengths) + len(suffix))
@@ -269,7 +275,7 @@ def attention_plans(llm, store, builder, digests, prefix, suffix, amateur, args)
                     attention.SEGMENTED_MIN_SKIPPED_SHARE = 2.0 if plan == "one_call" else 0.0
                     runs[plan].append(run_rows(llm, prefix, loaders, suffix, amateur, args.steps))
         finally:
-            attention.SEGMENTED_MIN_SKIPPED_SHARE = default
+            attention.SEGMENTED_MIN_SKIPPED_SHARE = DEFAULT_SKIPPED_SHARE
         out.append({"documents": name, "lengths": lengths, "skipped_share": skipped / slots,
                     **{f"step_{plan}_cpu_s": statistics.median(r["step_cpu_s"] for r in measured)
                        for plan, measured in runs.items()},

@@ -120,7 +120,7 @@ class OneDNNLinear(torch.nn.Linear):
 def pack_linear_layers(model: torch.nn.Module) -> int:
     """Give every CPU ``nn.Linear`` of ``model`` (the output layer included) a oneDNN-packed copy of its
     weight, in place; returns how many. No batch size is given to the reorder: oneDNN then picks a
-    layout that served every row count we measured (1 to 765) as well as one packed for that count."""
+    layout that served every row count measured (1 to 765) as well as one packed for that count."""
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
@@ -142,8 +142,9 @@ def onednn_linear_refusal(model: torch.nn.Module) -> str | None:
     """None where oneDNN's packed linear layers are used for ``model`` by default, else why not.
 
     They are used on x86 CPUs with AVX2 or AVX-512 for float32 weights: there oneDNN's products ran
-    1.1-3x faster than the plain ones (MKL sgemm) at every row count from 1 to 765, at the embedded
-    model's shapes (experiments/cpu_kernels.py, docs/performance.md); other CPUs were not measured.
+    at least as fast as the plain ones (MKL sgemm), mostly 1.1-2.3x faster, at every row count from 1
+    to 1,485 at the embedded model's shapes (experiments/cpu_kernels.py, docs/performance.md); other
+    CPUs were not measured.
     The packed copy costs the linear weights' bytes once more (weights loaded from safetensors in
     their stored dtype are a copy-on-write mapping of the file that decoding then no longer touches),
     so it is skipped where it would take over half of the memory available."""
@@ -180,10 +181,10 @@ def choose_linear_kernel(llm: "LoadedModel", kernel: str = "auto") -> None:
     ``onednn_linear_refusal`` has no objection); records the choice and its reason on ``llm``."""
     if kernel not in LINEAR_KERNELS:
         raise UserError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
-    refusal = onednn_linear_refusal(llm.model)
-    if kernel == "onednn" and llm.device.type != "cpu":
-        raise UserError(f"linear_kernel onednn needs a CPU model, this one is on {llm.device.type}")
+    if kernel == "onednn" and (llm.device.type != "cpu" or not torch.backends.mkldnn.is_available()):
+        raise UserError(f"linear_kernel onednn needs a CPU model and torch with oneDNN ({llm.device.type} here)")
     unpack_linear_layers(llm.model)
+    refusal = onednn_linear_refusal(llm.model)
     if kernel == "onednn" or (kernel == "auto" and refusal is None):
         pack_linear_layers(llm.model)
         llm.linear_kernel, llm.linear_reason = "onednn", "asked for" if kernel == "onednn" else "this CPU"

@@ -248,3 +248,16 @@ def test_a_pced_answer_by_each_rows_own_length_equals_one_masked_call(tiny_llm, 
     assert [t[:2] for t in by_row] == [t[:2] for t in one_call]
     for (_, _, a), (_, _, b) in zip(by_row, one_call):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_rows_whose_keys_never_resume_keep_one_call():
+    """The static step's mask: every row's keys are one run from slot 0, the rest of the capacity
+    unwritten; there is no tail to join (and no empty key range reaches the kernel)."""
+    valid = torch.zeros(3, 12, dtype=torch.bool)
+    valid[:, :4] = True
+    mask = torch.zeros(3, 1, 1, 12).masked_fill_(~valid[:, None, None], torch.finfo(torch.float32).min)
+    assert attention.row_spans(mask, 3, 12) is None
+    query, key, value = inputs(batch=3, kv_len=12)
+    out, _ = pced_attention_forward(Module(4), query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(out.double(), reference(query, key, value, valid[:, None, None], 0.25),
+                               atol=FP32_TOLERANCE, rtol=0)

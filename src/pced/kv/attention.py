@@ -129,7 +129,8 @@ def row_spans(mask: torch.Tensor, batch: int, kv_len: int) -> tuple | None:
     ends = first_gap.clamp(max=c).tolist()
     skipped = sum(c - end for end in ends)
     spans = None
-    if c > 0 and skipped >= SEGMENTED_MIN_SKIPPED_SHARE * batch * kv_len:
+    # c == kv_len: no row's keys resume after a gap (the static step's unwritten slots): no tail to join
+    if 0 < c < kv_len and skipped >= SEGMENTED_MIN_SKIPPED_SHARE * batch * kv_len:
         runs, start = [], 0
         for row in range(1, batch + 1):
             if row == batch or ends[row] != ends[start]:

@@ -83,7 +83,7 @@ def pced_attention_forward(
                                              scale=scaling, enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
     if q_len == 1 and query.device.type == "cpu" and not torch.compiler.is_compiling():
-        spans = row_spans(attention_mask, batch, kv_len)
+        spans = row_spans(kwargs.get(ROW_LAYOUT), batch, kv_len)
         if spans is not None:
             out = segmented_decode(_grouped(query, groups), key, value, attention_mask, spans, scaling)
             return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
@@ -105,40 +105,32 @@ def pced_attention_forward(
 # batch; measured on the embedded model (experiments/cpu_kernels.py --attention), it wins once the
 # masked slots it skips are at least this share of the batch's slots.
 SEGMENTED_MIN_SKIPPED_SHARE = 0.3
+ROW_LAYOUT = "pced_row_layout"  # the model keyword that carries it to this function
 
 
-def row_spans(mask: torch.Tensor, batch: int, kv_len: int) -> tuple | None:
-    """How a decode step's rows split into a masked-free head and a shared tail, or None where
-    reading every slot (one SDPA call) is the better plan.
+def row_spans(layout, batch: int, kv_len: int) -> tuple | None:
+    """How a decode step's rows split into an unmasked head and a shared tail, or None where reading
+    every slot (one SDPA call) is the better plan.
 
-    ``c`` is the first column where some row's valid slots resume after a masked gap (its suffix);
-    before ``c`` every row's valid slots are one run from slot 0 to ``end_b``, so each run of rows
-    with the same ``end_b`` is one unmasked call over exactly its keys; from ``c`` on, one masked
-    call for the whole batch. Computed once per step (the same mask reaches every layer)."""
-    if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] != batch:
+    ``layout`` is what the rows know on the host (``ExpertRows.row_layout``): per row ``(end, resume)``,
+    its valid slots being [0, end) and [resume, kv) (end == resume: no gap), so no step reads the
+    mask back. ``c`` = the smallest ``resume``: before it every row's valid slots are one run from
+    slot 0, so each run of rows with the same end is one unmasked call over exactly its keys; from
+    ``c`` on, one call for the whole batch (masked where a row resumes later)."""
+    if layout is None or len(layout) != batch:
         return None
-    cached = getattr(mask, "_pced_spans", False)
-    if cached is not False:
-        return cached
-    valid = (mask[:, 0, 0, :kv_len] if mask.dtype == torch.bool else mask[:, 0, 0, :kv_len] == 0).cpu()
-    first_gap = torch.where(~valid.all(1), (~valid).int().argmax(1), kv_len)  # each row's first masked slot
-    columns = torch.arange(kv_len)
-    resumes = (valid & (columns[None] >= first_gap[:, None])).int()
-    resume = torch.where(resumes.any(1), resumes.argmax(1), kv_len)  # where each row's valid slots resume
-    c = int(resume.min())
-    ends = first_gap.clamp(max=c).tolist()
+    c = min(resume for _, resume in layout)
+    ends = [min(end, c) for end, _ in layout]
     skipped = sum(c - end for end in ends)
-    spans = None
-    # c == kv_len: no row's keys resume after a gap (the static step's unwritten slots): no tail to join
-    if 0 < c < kv_len and skipped >= SEGMENTED_MIN_SKIPPED_SHARE * batch * kv_len:
-        runs, start = [], 0
-        for row in range(1, batch + 1):
-            if row == batch or ends[row] != ends[start]:
-                runs.append((start, row, ends[start]))
-                start = row
-        spans = (c, runs, bool(valid[:, c:].all()))
-    mask._pced_spans = spans
-    return spans
+    # c == kv_len: no row's keys resume after a gap (nothing past the cursor yet): no tail to join
+    if not 0 < c < kv_len or skipped < SEGMENTED_MIN_SKIPPED_SHARE * batch * kv_len:
+        return None
+    runs, start = [], 0
+    for row in range(1, batch + 1):
+        if row == batch or ends[row] != ends[start]:
+            runs.append((start, row, ends[start]))
+            start = row
+    return c, runs, all(resume == c for _, resume in layout)
 
 
 def segmented_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

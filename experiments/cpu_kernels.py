@@ -1,6 +1,6 @@
 """transformers on the CPU against this machine's floor: the plain path and the fast path in one run.
 
-    python experiments/cpu_kernels.py --ks 4,8,16,32 --out docs/bench/cpu-kernels
+    python experiments/cpu_kernels.py --ks 4,8,16,32 --loads 7 --attention --bf16 --out docs/bench/cpu-kernels
 
 The fast path is what ``load_model`` picks on an x86 CPU: oneDNN-packed linear layers and output
 layer (``pced.llm.pack_linear_layers``), the batch buffer of the previous question written again
@@ -46,7 +46,7 @@ from pced.bench.run import secret_code_documents
 from pced.kv import attention
 from pced.kv.buffer import SpareBuffer
 from pced.kv.store import KVStore
-from pced.llm import choose_linear_kernel, load_model
+from pced.llm import load_model
 from pced.prompts import RAG_TEMPLATE, PromptBuilder
 
 
@@ -158,12 +158,15 @@ def run_rows(llm, prefix, loaders, suffix, amateur_suffix, steps: int) -> dict:
 DEFAULT_SKIPPED_SHARE = attention.SEGMENTED_MIN_SKIPPED_SHARE
 
 
-def set_path(llm, path: str) -> None:
-    choose_linear_kernel(llm, "onednn" if path == "fast" else "plain")
+def use_path(models: dict, path: str):
+    """The model of ``path`` ready to run it. Two loaded models (plain and packed) rather than one
+    switched back and forth: freeing the packed weights would leave already-faulted memory that the
+    plain path's next buffer would land in, hiding the page faults it pays in a process of its own."""
     # before: one masked attention call whatever the padding, a fresh buffer for every question
     attention.SEGMENTED_MIN_SKIPPED_SHARE = DEFAULT_SKIPPED_SHARE if path == "fast" else 2.0
     if path == "plain":
-        SpareBuffer.of(llm.model).drop()
+        SpareBuffer.of(models[path].model).drop()
+    return models[path]
 
 
 def main(argv=None) -> dict:
@@ -175,6 +178,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: what pced uses, half the cores)")
     parser.add_argument("--store", default="runs/cpu-kernels-store")
     parser.add_argument("--bf16", action="store_true", help="also time the model loaded in bfloat16 at the largest k")
+    parser.add_argument("--loads", type=int, default=0,
+                        help="also time this many cache loads per k into a fresh and into the reused buffer, alternated")
     parser.add_argument("--attention", action="store_true",
                         help="also time the decode step's attention by each row's own length against one masked "
                              "call, with documents of equal and of mixed lengths (16 each)")
@@ -184,7 +189,9 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads or default_threads())
     ks = [int(k) for k in args.ks.split(",")]
-    llm = load_model(None, device="cpu", dtype="float32", linear_kernel="plain")
+    models = {"plain": load_model(None, device="cpu", dtype="float32", linear_kernel="plain"),
+              "fast": load_model(None, device="cpu", dtype="float32", linear_kernel="onednn")}
+    llm = models["plain"]
     docs, question, _ = secret_code_documents(llm, max(ks), args.doc_tokens, 0)
     builder = PromptBuilder(llm.tokenizer, RAG_TEMPLATE)
     store = KVStore(Path(args.store), llm, builder, "float16")
@@ -215,8 +222,7 @@ def main(argv=None) -> dict:
         runs = {"plain": [], "fast": []}
         for repeat in range(args.repeats):
             for path in ("plain", "fast") if repeat % 2 == 0 else ("fast", "plain"):
-                set_path(llm, path)
-                runs[path].append(run_rows(llm, prefix, loaders, suffix, amateur, args.steps))
+                runs[path].append(run_rows(use_path(models, path), prefix, loaders, suffix, amateur, args.steps))
                 print(f"k={k} {path}: first logits {runs[path][-1]['ttft_cpu_s']:.3f} s, "
                       f"step {runs[path][-1]['step_cpu_s'] * 1000:.1f} ms (CPU)", flush=True)
         # the floor: rows attend to P + L_k + S (+ the amateur's P + its suffix) tokens at the first step
@@ -234,6 +240,7 @@ def main(argv=None) -> dict:
         for path, measured in runs.items():
             row[path] = {key: statistics.median(r[key] for r in measured) for key in measured[0]
                          if key.endswith("_s")}
+            row[path]["load_cpu_s_each"] = [r["load_cpu_s"] for r in measured]
             row[path]["step_over_floor"] = row[path]["step_cpu_s"] / decode_floor
             row[path]["ttft_over_floor"] = row[path]["ttft_cpu_s"] / ttft_floor
         plain, fast = runs["plain"][0], runs["fast"][0]
@@ -242,10 +249,12 @@ def main(argv=None) -> dict:
             "last_step_max_abs_diff": float((plain["last_logits"] - fast["last_logits"]).abs().max()),
             "same_greedy_tokens": plain["tokens"] == fast["tokens"]}
         results["ks"][str(k)] = row
+    if args.loads:
+        results["loads"] = buffer_loads(models, store, digests, prefix, suffix, amateur, ks, args.loads)
     if args.attention:
-        results["attention"] = attention_plans(llm, store, builder, digests, prefix, suffix, amateur, args)
+        results["attention"] = attention_plans(models, store, digests, prefix, suffix, amateur, args)
     if args.bf16:
-        results["bf16"] = bf16_step(llm, store, digests[: max(ks)], prefix, suffix, amateur, args.steps)
+        results["bf16"] = bf16_step(models, store, digests[: max(ks)], prefix, suffix, amateur, args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_kernels.json").write_text(json.dumps(results, indent=2))
@@ -254,14 +263,33 @@ def main(argv=None) -> dict:
     return results
 
 
-def attention_plans(llm, store, builder, digests, prefix, suffix, amateur, args) -> list[dict]:
+def buffer_loads(models, store, digests, prefix, suffix, amateur, ks, repeats) -> dict:
+    """CPU seconds from the start of the rows' prefill to their suffix forward (the caches read and
+    written into the batch buffer), into fresh memory and into the previous load's, alternated."""
+    llm = use_path(models, "fast")
+    out = {}
+    for k in ks:
+        loaders = [lambda h=h: store.load(h) for h in digests[:k]]
+        times = {"fresh": [], "reused": []}
+        for repeat in range(repeats):
+            for kind in ("fresh", "reused") if repeat % 2 == 0 else ("reused", "fresh"):
+                if kind == "fresh":
+                    SpareBuffer.of(llm.model).drop()
+                times[kind].append(run_rows(llm, prefix, loaders, suffix, amateur, 1)["load_cpu_s"])
+        out[str(k)] = times
+        print(f"k={k} cache loads, fresh / reused buffer (CPU ms): {[round(t * 1e3) for t in times['fresh']]} / "
+              f"{[round(t * 1e3) for t in times['reused']]}", flush=True)
+    return out
+
+
+def attention_plans(models, store, digests, prefix, suffix, amateur, args) -> list[dict]:
     """The decode step (fast path) with attention by each row's own length forced on and off:
     16 documents of the run's length, then 16 of mixed lengths (32 to 480 tokens)."""
     mixed = []
     for i, tokens in enumerate(range(32, 481, 28)):
         docs, _, _ = secret_code_documents(llm, 1, tokens, 100 + i)
         mixed += store.add([d.render() for d in docs], progress=False)
-    set_path(llm, "fast")
+    llm = use_path(models, "fast")
     out = []
     for name, chosen in (("equal", digests[:16]), ("mixed", mixed)):
         lengths = [store.load(h).n_tokens for h in chosen]
@@ -285,12 +313,11 @@ def attention_plans(llm, store, builder, digests, prefix, suffix, amateur, args)
     return out
 
 
-def bf16_step(llm32, store, digests, prefix, suffix, amateur, steps) -> dict:
+def bf16_step(models, store, digests, prefix, suffix, amateur, steps) -> dict:
     """The model in bfloat16 (oneDNN picks its AVX512-BF16 kernels where the CPU has them) beside float32."""
     llm16 = load_model(None, device="cpu", dtype="bfloat16", linear_kernel="onednn")
     loaders = [lambda h=h: store.load(h) for h in digests]
-    set_path(llm32, "fast")
-    ref = run_rows(llm32, prefix, loaders, suffix, amateur, steps)
+    ref = run_rows(use_path(models, "fast"), prefix, loaders, suffix, amateur, steps)
     runs = [run_rows(llm16, prefix, loaders, suffix, amateur, steps) for _ in range(2)]
     return {"k": len(digests), "step_cpu_s": statistics.median(r["step_cpu_s"] for r in runs),
             "ttft_cpu_s": statistics.median(r["ttft_cpu_s"] for r in runs),
@@ -335,6 +362,12 @@ def markdown(results: dict) -> str:
                 cell += f" (bf16 {bf16[shape]['plain'] / gb:.0f} / {bf16[shape]['onednn'] / gb:.0f})"
             cells.append(cell)
         lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    if "loads" in results:
+        lines += ["", "Cache load (CPU ms from the start of the prefill to the suffix forward), into a fresh buffer "
+                  "and into the previous question's, alternated:", "", "| k | fresh | reused |", "|---|---|---|"]
+        for k, times in results["loads"].items():
+            lines.append(f"| {k} | {' '.join(str(round(t * 1e3)) for t in times['fresh'])} "
+                         f"| {' '.join(str(round(t * 1e3)) for t in times['reused'])} |")
     if "attention" in results:
         lines += ["", "Decode step (fast path), attention in one masked call against one call per run of rows over "
                   "its own keys (k = 16):", "", "| documents | skipped (masked) share of the slots | one call (ms) "

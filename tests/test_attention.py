@@ -185,3 +185,78 @@ def test_no_environment_variable_and_registration_on_use(tiny_model_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]", "False", "True"]
+
+
+def pced_layout(prefix, lengths, suffix, amateur_pad, generated):
+    """PCED's validity: row 0 the amateur (prefix, its suffix left-padded), row k prefix + document k
+    (padded to the longest) + suffix, then the generated slots; [B, kv] boolean, and each row's
+    (end, resume) as the rows record it."""
+    longest = max(lengths)
+    valid = torch.zeros(len(lengths) + 1, prefix + longest + suffix + generated, dtype=torch.bool)
+    valid[:, :prefix] = True
+    for row, length in enumerate([0] + list(lengths)):
+        valid[row, prefix : prefix + length] = True
+    valid[:, prefix + longest :] = True
+    valid[0, prefix + longest : prefix + longest + amateur_pad] = False
+    layout = [(prefix, prefix + longest + amateur_pad)] + [(prefix + n, prefix + longest) for n in lengths]
+    return valid, layout
+
+
+@pytest.mark.parametrize("lengths,amateur_pad,prefix", [
+    ([24, 24, 24], 2, 6),       # equal documents: the amateur's document slots are the only gap
+    ([3, 30, 12, 30], 0, 6),    # mixed lengths: runs of one row, and two rows of the longest
+    ([5, 9], 3, 0),             # no prefix: the amateur has no keys before its suffix
+])
+@pytest.mark.parametrize("kind", ["additive", "boolean"])
+def test_attention_by_each_rows_own_length_equals_plain_attention(monkeypatch, lengths, amateur_pad, prefix, kind):
+    """The decode step over each row's own keys (runs of rows over [0, end), one call over the shared
+    tail, masked where a row resumes later, joined by log-sum-exp) against float64 attention over the
+    padded batch."""
+    monkeypatch.setattr(attention, "SEGMENTED_MIN_SKIPPED_SHARE", 0.0)
+    valid, layout = pced_layout(prefix, lengths, 5, amateur_pad, 3)
+    batch, kv_len = valid.shape
+    query, key, value = inputs(batch=batch, kv_len=kv_len)
+    allowed = valid[:, None, None, :]
+    mask = allowed if kind == "boolean" else torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    assert attention.row_spans(layout, batch, kv_len) is not None  # the path under test is taken
+    out, _ = pced_attention_forward(Module(4), query, key, value, mask, scaling=0.25, **{attention.ROW_LAYOUT: layout})
+    torch.testing.assert_close(out.double(), reference(query, key, value, allowed, 0.25), atol=FP32_TOLERANCE, rtol=0)
+
+
+def test_attention_by_row_length_is_chosen_only_when_it_skips_enough():
+    valid, layout = pced_layout(8, [40] * 6, 5, 0, 1)  # only the amateur's document slots are masked: 14%
+    assert attention.row_spans(layout, *valid.shape) is None
+    valid, layout = pced_layout(8, [40, 2, 3, 4, 5, 6], 5, 0, 1)  # mostly padding
+    spans = attention.row_spans(layout, *valid.shape)
+    assert spans is not None and spans[0] == 8 + 40 and len(spans[1]) == 7 and spans[2]
+
+
+def test_rows_whose_keys_never_resume_keep_one_call():
+    """Every row's keys one run from slot 0 (nothing after the cursor): no tail to join, so no empty
+    key range reaches the kernel."""
+    assert attention.row_spans([(4, 12), (4, 12), (4, 12)], 3, 12) is None
+
+
+def test_a_pced_answer_by_each_rows_own_length_equals_one_masked_call(tiny_llm, monkeypatch):
+    """Documents of very different lengths on the tiny model: same tokens, logits within 1e-4 (two
+    float32 attention kernels, summed in a different order)."""
+    docs = DOCS + ["Oskvale.", "Lake Tarnow freezes every winter. " * 5]
+    llm, builder, prefix, caches = encode_setup(tiny_llm, docs)
+
+    def run(share):
+        monkeypatch.setattr(attention, "SEGMENTED_MIN_SKIPPED_SHARE", share)
+        experts = [Expert(f"d{i}", 0.8 - 0.1 * i, lambda kv=kv: kv) for i, kv in enumerate(caches)]
+        generation = PCEDGeneration(llm, prefix, experts, builder.suffix_ids(QUESTION),
+                                    builder.suffix_ids(QUESTION, False), RuleConfig(),
+                                    SamplingConfig(max_new_tokens=8, ignore_eos=True))
+        return [(step.token_id, step.winner, generation.last_logits.clone()) for step in generation]
+
+    calls = []
+    segmented = attention.segmented_decode
+    monkeypatch.setattr(attention, "segmented_decode", lambda *args: calls.append(1) or segmented(*args))
+    by_row = run(0.0)
+    assert len(calls) == 2 * 7  # both layers of every decode step (8 tokens: the prefill gives the first)
+    one_call = run(2.0)
+    assert len(calls) == 2 * 7 and [t[:2] for t in by_row] == [t[:2] for t in one_call]
+    for (_, _, a), (_, _, b) in zip(by_row, one_call):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

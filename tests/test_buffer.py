@@ -73,3 +73,21 @@ def test_compiled_step_does_not_recompile_after_warm_up(tiny_llm):
         llm.decode_step, llm.compiled_step = "eager", None
     assert tokens == [t for t, _, _ in eager]
     assert graphs[2] > 0 and graphs[-1] == graphs[2]  # compiled at the first steps, never again
+
+
+def test_forwards_pass_the_cache_under_the_installed_transformers_current_name(tiny_llm):
+    """No deprecated keyword: a FutureWarning (transformers >= 5.24 warns for ``past_key_values``) fails
+    the prefill and the static step alike, on whichever transformers version is installed."""
+    import warnings
+
+    from pced.kv.buffer import cache_keyword, decode_one_token, forward_slots
+
+    cache = BufferCache.allocate(tiny_llm.model, 1, 8)
+    valid = torch.zeros(1, 8, dtype=torch.bool)
+    valid[:, :4] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        forward_slots(tiny_llm.model, cache, valid, torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None])
+        cache.write_at(torch.tensor([4]))
+        decode_one_token(tiny_llm.model, cache, valid, torch.tensor([[9]]), torch.tensor([[4]]), torch.tensor([4]))
+    assert cache_keyword(tiny_llm.model) in ("cache", "past_key_values")

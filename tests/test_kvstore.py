@@ -102,7 +102,7 @@ def test_damaged_or_foreign_cache_files_give_clear_errors(tiny_llm, tmp_path):
 
 def test_rows_without_padding_take_the_causal_path_with_the_same_logits(tiny_llm):
     """No [q, total] mask where every slot is real: the logits and the cache equal the masked path's."""
-    from pced.kv.buffer import BufferCache, additive_mask, forward_slots
+    from pced.kv.buffer import BufferCache, additive_mask, cache_keyword, forward_slots
 
     ids = torch.tensor([list(range(5, 45))])
     positions = torch.arange(40)[None]
@@ -113,10 +113,10 @@ def test_rows_without_padding_take_the_causal_path_with_the_same_logits(tiny_llm
         if masked:  # the explicit-mask path, as padded rows take it
             kwargs = {"attention_mask": additive_mask(valid, 0, 40, cache.key_buffer.dtype)}
             with torch.inference_mode():
-                logits = tiny_llm.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                                        **kwargs).logits[:, -1]
+                kwargs[cache_keyword(tiny_llm.model)] = cache
+                logits = tiny_llm.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs).logits[:, -1]
                 step = tiny_llm.model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[40]]),
-                                      past_key_values=cache, use_cache=True,
+                                      **{cache_keyword(tiny_llm.model): cache}, use_cache=True,
                                       attention_mask=additive_mask(valid, 40, 1, cache.key_buffer.dtype)).logits[:, -1]
         else:
             logits = forward_slots(tiny_llm.model, cache, valid, ids, positions)

@@ -26,6 +26,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 DECODE_STEPS = ("eager", "static", "compiled")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LINEAR_KERNELS = ("auto", "plain", "onednn")
 
 
 class ModelLoadError(UserError):
@@ -45,6 +46,9 @@ class LoadedModel:
     # (fixed shapes); "compiled" is the static step under torch.compile (CUDA: CUDA graphs).
     decode_step: str = "eager"
     compiled_step: object = field(default=None, repr=False)  # the compiled function, built on first use
+    # what the linear layers run on ("plain" or "onednn": ``pack_linear_layers``) and why
+    linear_kernel: str = "plain"
+    linear_reason: str = ""
 
     def __post_init__(self) -> None:
         if self.decode_step not in DECODE_STEPS:
@@ -96,6 +100,97 @@ class LoadedModel:
                 continue
             ids.update(source if isinstance(source, (list, tuple)) else [source])
         return ids
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that also holds its weight reordered once into oneDNN's blocked layout and
+    multiplies with it (``torch.ops.mkldnn._linear_pointwise``, what inductor's CPU freezing pass emits
+    for a constant weight: torch/_inductor/fx_passes/mkldnn_fusion.py:101-151). The plain weight stays
+    the module's parameter, so tying, ``parameters()`` and ``state_dict`` see the model unchanged;
+    autograd, compilation, another device or dtype take the plain product."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype != self.packed.dtype or x.device.type != "cpu" or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linear_layers(model: torch.nn.Module) -> int:
+    """Give every CPU ``nn.Linear`` of ``model`` (the output layer included) a oneDNN-packed copy of its
+    weight, in place; returns how many. No batch size is given to the reorder: oneDNN then picks a
+    layout that served every row count measured (1 to 765) as well as one packed for that count."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            module.__class__ = OneDNNLinear
+            count += 1
+    return count
+
+
+def unpack_linear_layers(model: torch.nn.Module) -> None:
+    """Back to plain ``nn.Linear`` products (the packed copies are freed)."""
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.__class__ = torch.nn.Linear
+            del module.packed
+
+
+def onednn_linear_refusal(model: torch.nn.Module) -> str | None:
+    """None where oneDNN's packed linear layers are used for ``model`` by default, else why not.
+
+    They are used on x86 CPUs with AVX2 or AVX-512 for float32 weights: there oneDNN's products ran
+    at least as fast as the plain ones (MKL sgemm), mostly 1.1-2.3x faster, at every row count from 1
+    to 1,485 at the embedded model's shapes (experiments/cpu_kernels.py, docs/performance.md); other
+    CPUs were not measured.
+    The packed copy costs the linear weights' bytes once more (weights loaded from safetensors in
+    their stored dtype are a copy-on-write mapping of the file that decoding then no longer touches),
+    so it is skipped where it would take over half of the memory available."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device.type}"
+    if param.dtype != torch.float32:
+        return f"{param.dtype} weights (only float32 was measured)"
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"CPU capability {capability} (measured on x86 AVX2 and AVX-512 only)"
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is torch.nn.Linear)
+    available = _available_memory()
+    if available is not None and extra > available / 2:
+        return f"the packed copy ({extra / 2**30:.1f} GiB) would take over half of the available memory"
+    return None
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def choose_linear_kernel(llm: "LoadedModel", kernel: str = "auto") -> None:
+    """Apply ``kernel`` to ``llm``'s linear layers: "plain", "onednn", or "auto" (oneDNN where
+    ``onednn_linear_refusal`` has no objection); records the choice and its reason on ``llm``."""
+    if kernel not in LINEAR_KERNELS:
+        raise UserError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
+    if kernel == "onednn" and (llm.device.type != "cpu" or not torch.backends.mkldnn.is_available()):
+        raise UserError(f"linear_kernel onednn needs a CPU model and torch with oneDNN ({llm.device.type} here)")
+    unpack_linear_layers(llm.model)
+    refusal = onednn_linear_refusal(llm.model)
+    if kernel == "onednn" or (kernel == "auto" and refusal is None):
+        pack_linear_layers(llm.model)
+        llm.linear_kernel, llm.linear_reason = "onednn", "asked for" if kernel == "onednn" else "this CPU"
+    else:
+        llm.linear_kernel, llm.linear_reason = "plain", "asked for" if kernel == "plain" else refusal
 
 
 def cache_root() -> Path:
@@ -213,9 +308,11 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     attn_implementation: str = "sdpa",
     decode_step: str | None = None,
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Load a local causal LM directory (offline), or the embedded default when ``path`` is None.
-    ``decode_step``: eager, static or compiled (None: ``LoadedModel``'s default)."""
+    ``decode_step``: eager, static or compiled (None: ``LoadedModel``'s default); ``linear_kernel``:
+    auto, plain or onednn (``choose_linear_kernel``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if is_embedded(path if path is None else str(path)):
@@ -241,7 +338,7 @@ def load_model(
         raise ModelLoadError(f"cannot load a model from {folder}: {str(exc).splitlines()[0]}") from exc
     model.to(device).eval()
     fingerprint, weights, arch = model_identity(folder, config)
-    return LoadedModel(
+    llm = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
@@ -253,3 +350,5 @@ def load_model(
         weights_hash=weights,
         legacy_fingerprint=lambda recorded: legacy_model_fingerprint(folder, config, recorded),
     )
+    choose_linear_kernel(llm, "plain" if llm.decode_step == "compiled" and linear_kernel == "auto" else linear_kernel)
+    return llm

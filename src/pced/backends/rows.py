@@ -21,7 +21,7 @@ import torch
 
 from ..decoding import Rows
 from ..errors import UserError
-from ..kv.attention import use_pced_attention
+from ..kv.attention import ROW_LAYOUT, use_pced_attention
 from ..kv.buffer import BufferCache, decode_one_token, forward_slots
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
@@ -39,16 +39,23 @@ class CachedRows(Rows):
         self.valid: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
         self.padded: bool | None = None  # whether any row has masked slots (None: read it from valid)
+        # per row (end, resume): its valid slots are [0, end) and [resume, cursor), as the host knows
+        # them (attention by each row's own length, pced.kv.attention.row_spans); None: not tracked
+        self.row_layout: list[tuple[int, int]] | None = None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return forward_slots(self.llm.model, self.cache, self.valid, ids, positions, padded=self.padded)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        return forward_slots(self.llm.model, self.cache, self.valid, ids, positions, padded=self.padded,
+                             **model_kwargs)
 
     def advance(self, token: int) -> torch.Tensor:
         if self.llm.decode_step != "eager" and type(self).forward is CachedRows.forward:
             return self.static_advance(token)
         ids = torch.full((len(self.position), 1), token, device=self.position.device)
         self.valid[:, self.cache.length] = True
-        logits = self.forward(ids, self.position[:, None])
+        if self.row_layout is not None:
+            logits = self.forward(ids, self.position[:, None], **{ROW_LAYOUT: self.row_layout})
+        else:
+            logits = self.forward(ids, self.position[:, None])
         self.position = self.position + 1
         return logits
 
@@ -123,8 +130,9 @@ class ExpertRows(CachedRows):
         suffix_len = max(len(self.suffix_ids), len(self.amateur_suffix_ids))
         check_window(self.llm, "pced", "longest expert's prompt", prefix_len + longest + suffix_len, self.max_new_tokens)
         capacity = prefix_len + longest + suffix_len + self.max_new_tokens
-        # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage).
-        cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False)
+        # Slots are written in place; only the masked padding needs zeros (never NaN-prone garbage),
+        # so the last question's buffer serves again without faulting in fresh pages.
+        cache = BufferCache.allocate(self.llm.model, batch, capacity, zero=False, reuse=True)
         keys, values = self.prefix.on(device)
         cache.key_buffer[:, :, :, :prefix_len] = keys[:, None]
         cache.value_buffer[:, :, :, :prefix_len] = values[:, None]
@@ -152,6 +160,8 @@ class ExpertRows(CachedRows):
             valid[row, prefix_len + longest + pad : prefix_len + longest + suffix_len] = True
         self.cache, self.valid = cache, valid
         self.layout = (prefix_len, longest, suffix_len)
+        self.row_layout = [(prefix_len + length, prefix_len + longest + suffix_len - len(suffix))
+                           for suffix, length in zip(suffixes, lengths)]
         # the amateur row holds no document: with any expert some slots are masked; without one, none are
         self.padded = longest > 0 or len(self.amateur_suffix_ids) < suffix_len
         suffix_started = synchronized_time(self.llm.device)
@@ -202,6 +212,7 @@ class ExpertRows(CachedRows):
         self.cache = BufferCache(torch.cat([self.cache.key_buffer, keys], dim=1),
                                  torch.cat([self.cache.value_buffer, values], dim=1), length)
         self.valid = torch.cat([self.valid, valid])
+        self.row_layout = self.row_layout + [(start, column)]
         self.padded = True  # the joined row's suffix is right-aligned after masked slots
         self.position = torch.cat([self.position, self.position.new_tensor([start + len(tail)])])
         self.stats["experts"] = self.stats.get("experts", 0) + 1
@@ -218,6 +229,7 @@ class ExpertRows(CachedRows):
                                  torch.cat([values[:, :, :, :at], zeros, values[:, :, :, at:]], dim=3),
                                  self.cache.length + extra)
         self.valid = torch.cat([valid[:, :at], valid.new_zeros(len(valid), extra), valid[:, at:]], dim=1)
+        self.row_layout = [(end, resume + extra) for end, resume in self.row_layout]  # every end <= at
 
 
 class PlainRows(CachedRows):

@@ -82,6 +82,11 @@ def pced_attention_forward(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len),
                                              scale=scaling, enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
+    if q_len == 1 and query.device.type == "cpu" and not torch.compiler.is_compiling():
+        spans = row_spans(kwargs.get(ROW_LAYOUT), batch, kv_len)
+        if spans is not None:
+            out = segmented_decode(_grouped(query, groups), key, value, attention_mask, spans, scaling)
+            return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
     if groups == 1:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     elif q_len == 1:  # the decode step: pack the query heads onto their key/value head
@@ -94,6 +99,60 @@ def pced_attention_forward(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Attention by each row's own length pays one kernel call per run of rows instead of one for the
+# batch; measured on the embedded model (experiments/cpu_kernels.py --attention), it wins once the
+# masked slots it skips are at least this share of the batch's slots.
+SEGMENTED_MIN_SKIPPED_SHARE = 0.3
+ROW_LAYOUT = "pced_row_layout"  # the model keyword that carries it to this function
+
+
+def row_spans(layout, batch: int, kv_len: int) -> tuple | None:
+    """How a decode step's rows split into an unmasked head and a shared tail, or None where reading
+    every slot (one SDPA call) is the better plan.
+
+    ``layout`` is what the rows know on the host (``ExpertRows.row_layout``): per row ``(end, resume)``,
+    its valid slots being [0, end) and [resume, kv) (end == resume: no gap), so no step reads the
+    mask back. ``c`` = the smallest ``resume``: before it every row's valid slots are one run from
+    slot 0, so each run of rows with the same end is one unmasked call over exactly its keys; from
+    ``c`` on, one call for the whole batch (masked where a row resumes later)."""
+    if layout is None or len(layout) != batch:
+        return None
+    c = min(resume for _, resume in layout)
+    ends = [min(end, c) for end, _ in layout]
+    skipped = sum(c - end for end in ends)
+    # c == kv_len: no row's keys resume after a gap (nothing past the cursor yet): no tail to join
+    if not 0 < c < kv_len or skipped < SEGMENTED_MIN_SKIPPED_SHARE * batch * kv_len:
+        return None
+    runs, start = [], 0
+    for row in range(1, batch + 1):
+        if row == batch or ends[row] != ends[start]:
+            runs.append((start, row, ends[start]))
+            start = row
+    return c, runs, all(resume == c for _, resume in layout)
+
+
+def segmented_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     spans: tuple, scale: float | None) -> torch.Tensor:
+    """One query token per row (``query`` [B, Hkv, G, D], query heads packed onto their key/value
+    head) over each row's own keys: an unmasked call per run of rows over slots [0, end), a masked
+    call for all rows over [c, kv), joined exactly by their log-sum-exps. Returns [B, Hkv, G, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    c, runs, tail_unmasked = spans
+    tail_mask = None if tail_unmasked else mask[..., c : key.shape[2]]
+    if tail_mask is not None and tail_mask.dtype == torch.bool:  # the kernel takes an additive mask only
+        tail_mask = torch.zeros(tail_mask.shape, dtype=query.dtype).masked_fill_(~tail_mask, float("-inf"))
+    tail_out, tail_lse = flash(query, key[:, :, c:], value[:, :, c:], scale=scale, attn_mask=tail_mask)[:2]
+    head_out, head_lse = torch.zeros_like(tail_out), torch.full_like(tail_lse, float("-inf"))
+    for first, last, end in runs:
+        if end > 0:
+            out, lse = flash(query[first:last], key[first:last, :, :end], value[first:last, :, :end], scale=scale)[:2]
+            head_out[first:last], head_lse[first:last] = out, lse
+    total = torch.logaddexp(head_lse, tail_lse)  # a part without keys has lse -inf: weight 0 (not 0 * NaN)
+    out = (head_out.float() * torch.exp(head_lse - total)[..., None]
+           + tail_out.float().nan_to_num_(0.0) * torch.exp(tail_lse - total)[..., None])
+    return out.to(query.dtype)
 
 
 def pced_mask(*args, attention_mask: torch.Tensor | None = None, mask_function=None, **kwargs):

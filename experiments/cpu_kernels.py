@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from pced.backends.rows import ExpertRows
-from pced.bench.floor import copy_bandwidth, kv_bytes_per_token, weight_bytes
+from pced.backends.transformers.bench import kv_bytes_per_token, weight_bytes
+from pced.bench.machine import memory_bandwidth as copy_bandwidth
 from pced.bench.run import secret_code_documents
 from pced.kv import attention
 from pced.kv.buffer import SpareBuffer

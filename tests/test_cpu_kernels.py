@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from pced.bench.floor import weight_bytes
+from pced.backends.transformers.bench import weight_bytes
 from pced.kv.buffer import BufferCache, SpareBuffer
 from pced.llm import OneDNNLinear, choose_linear_kernel, load_model, onednn_linear_refusal
 from pced.methods.pced import Expert, PCEDGeneration

@@ -47,22 +47,13 @@ def tiny_store(tmp_path_factory, embedded_tokenizer_dir):
     heads, 2 KV heads (the embedded model's 9 and 3 do not divide by 2), of 32 dimensions (the
     smallest vLLM's CPU attention runs: ``v1/attention/backends/cpu_attn.py:69-70``; the shared
     tiny model's are 16)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from helpers.tiny_llama import save_tiny_llama
 
     from pced.corpus import read_corpus
     from pced.llm import load_model
     from pced.store import IndexSettings, index_store
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model_dir = tmp_path_factory.mktemp("tiny-llama-32")
-    LlamaForCausalLM(config).eval().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), embedded_tokenizer_dir)
     root = tmp_path_factory.mktemp("vllm-tiny") / "store"
     with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
         index_store(read_corpus(corpus), root, IndexSettings(model=str(model_dir), storage_dtype="float32"),

@@ -62,20 +62,10 @@ def test_the_cpu_backends_writer_puts_forward_rows_where_its_attention_reads_the
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, embedded_tokenizer_dir):
-    """A 2-layer random Llama the CPU attention backend runs (head size 32) with 2 KV heads, so that
-    two tensor-parallel ranks hold one head each."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """The tiny Llama of ``helpers.tiny_llama``: two ranks hold one KV head each."""
+    from helpers.tiny_llama import save_tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("connector-llama")
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("connector-llama"), embedded_tokenizer_dir)
 
 
 def rounds(model_dir, store, dtype: str, tp: int, *extra: str) -> dict:

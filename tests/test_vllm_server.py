@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vll
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from helpers.server import free_port
+from helpers.server import free_port, wait_healthy
 
 PCED = {"top_k": 4, "top_n": 30, "rerank": False}
 MAX_TOKENS = 24
@@ -47,16 +47,8 @@ def server(store_dir, tmp_path_factory):
                                     "--port", str(port), "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PCED_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
     try:
-        while True:
-            assert process.poll() is None, f"pced serve --backend vllm exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "pced serve --backend vllm did not start in 600 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(process, url, log, time.monotonic() + 600)
         yield url, log
     finally:
         process.terminate()

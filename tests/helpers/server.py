@@ -74,3 +74,18 @@ def sse_chunks(lines) -> list:
         chunks.append(json.loads(data))
     assert done, "the stream did not end with data: [DONE]"
     return chunks
+
+
+def wait_healthy(process, url: str, log: Path, deadline: float) -> None:
+    """Until ``url``/health answers 200: a server started as ``process`` (its output in ``log``),
+    which must not exit nor take past ``deadline`` (``time.monotonic()``)."""
+    import httpx
+
+    while True:
+        assert process.poll() is None, f"pced serve exited: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "pced serve did not start in time"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import FLOORS_NOTE
+from .report import FLOORS_NOTE, FloorFigure
 from .run_floors import with_floor
 
 
@@ -48,38 +48,10 @@ def markdown_report(results: dict) -> str:
 
 def plot(results: dict, root: Path) -> None:
     """bench_backends.png: TTFT and decode step against k (faint: their floors) and measured / floor."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("pced: matplotlib is not installed: no bench_backends.png (the table holds every number)")
+    figure = FloorFigure.open("bench_backends.png")
+    if figure is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttft, ax_decode, ax_ratio) = plt.subplots(1, 3, figsize=(16, 4))
     ks = [row["k"] for row in results["latency"]]
-    nan = float("nan")
     for name, style in zip(results["backends"], ("-o", "--s", ":^", "-.v", "-D")):
-        series = [row[name] for row in results["latency"]]
-        line, = ax_ttft.plot(ks, [r["ttft_s"] for r in series], style, label=name)
-        ax_ttft.plot(ks, [r.get("ttft_floor_s") or nan for r in series], style[:-1], color=line.get_color(), alpha=0.35)
-        line, = ax_decode.plot(ks, [r["decode_per_token_s"] * 1000 for r in series], style, label=name)
-        ax_decode.plot(ks, [(r.get("decode_floor_s") or nan) * 1000 for r in series], style[:-1], color=line.get_color(),
-                       alpha=0.35)
-        ax_ratio.plot(ks, [r.get("ttft_vs_floor") or nan for r in series], "-" + style[-1], color=line.get_color(),
-                      label=f"{name} TTFT")
-        ax_ratio.plot(ks, [r.get("decode_vs_floor") or nan for r in series], ":" + style[-1], color=line.get_color(),
-                      mfc="none", label=f"{name} decode")
-    ax_ratio.axhline(1.0, color="black", lw=0.8)
-    for ax, title, unit in ((ax_ttft, "time to first token (faint: floor)", "s"),
-                            (ax_decode, "decode step (faint: floor)", "ms"), (ax_ratio, "measured / floor", "x")):
-        ax.set(xlabel="documents k", ylabel=unit, title=title)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"PCED per backend: {results['model']}; {results.get('machine_name', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(root / "bench_backends.png", dpi=120)
-    plt.close(fig)
+        figure.add(ks, [row[name] for row in results["latency"]], style, name)
+    figure.save(root / "bench_backends.png", f"PCED per backend: {results['model']}; {results.get('machine_name', '')}")

@@ -104,47 +104,69 @@ def markdown_report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class FloorFigure:
+    """Three panels against k: time to first token, decode time (each with its floor, faint) and
+    measured / floor; ``None`` from ``open`` where matplotlib is not installed (a GPU machine may
+    carry only the bench's own dependencies: the tables are the results, the plot a view of them)."""
+
+    @classmethod
+    def open(cls, name: str) -> "FloorFigure | None":
+        try:
+            import matplotlib
+        except ImportError:
+            print(f"pced: matplotlib is not installed: no {name} (the tables hold every number)")
+            return None
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return cls(plt)
+
+    def __init__(self, plt) -> None:
+        self.plt = plt
+        self.fig, self.axes = plt.subplots(1, 3, figsize=(16, 4))
+
+    def add(self, ks: list, runs: list[dict], style: str, label: str) -> None:
+        """One series: ``runs[i]`` is the run at ``ks[i]`` (ttft_s, decode_per_token_s and their floors)."""
+        ttft, decode, ratio = self.axes
+        line, = ttft.plot(ks, [m["ttft_s"] for m in runs], style, label=label)
+        ttft.plot(ks, [_nan(m.get("ttft_floor_s")) for m in runs], style[:-1], color=line.get_color(), alpha=0.35)
+        line, = decode.plot(ks, [m["decode_per_token_s"] * 1000 for m in runs], style, label=label)
+        decode.plot(ks, [_nan(m.get("decode_floor_s")) * 1000 for m in runs], style[:-1], color=line.get_color(),
+                    alpha=0.35)
+        ratio.plot(ks, [_nan(m.get("ttft_vs_floor")) for m in runs], "-" + style[-1], color=line.get_color(),
+                   label=f"{label} TTFT")
+        ratio.plot(ks, [_nan(m.get("decode_vs_floor")) for m in runs], ":" + style[-1], color=line.get_color(),
+                   mfc="none", label=f"{label} decode")
+
+    def save(self, path: Path, title: str, log_ttft: bool = False) -> None:
+        ttft, decode, ratio = self.axes
+        ratio.axhline(1.0, color="black", lw=0.8)
+        for ax, name, unit in ((ttft, "time to first token (faint: floor)", "s"),
+                               (decode, "decode time per token (faint: floor)", "ms"), (ratio, "measured / floor", "x")):
+            ax.set(xlabel="documents k", ylabel=unit, title=name)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        if log_ttft:
+            ttft.set_yscale("log")
+        else:
+            for ax in self.axes:
+                ax.set_ylim(bottom=0)
+        self.fig.suptitle(title, fontsize=9)
+        self.fig.tight_layout()
+        self.fig.savefig(path, dpi=120)
+        self.plt.close(self.fig)
+
+
 def plot(results: dict, root: Path) -> None:
-    """bench.png beside the tables, where matplotlib is installed (a GPU machine may carry only the
-    bench's own dependencies: the tables are the results, the plot a view of them)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("pced: matplotlib is not installed: no bench.png (the tables hold every number)")
+    """bench.png beside the tables."""
+    figure = FloorFigure.open("bench.png")
+    if figure is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttft, ax_decode, ax_ratio) = plt.subplots(1, 3, figsize=(16, 4))
     for length in results["lengths"]:
         L = length["doc_tokens"]
         for method, style in (("pced", "-o"), ("all", "--s"), ("ape", ":^")):
             points = [(r["k"], r[method]) for r in length["rows"] if r.get(method)]
-            if not points:
-                continue
-            ks = [k for k, _ in points]
-            line, = ax_ttft.plot(ks, [m["ttft_s"] for _, m in points], style, label=f"{method} L={L}")
-            ax_ttft.plot(ks, [_nan(m.get("ttft_floor_s")) for _, m in points], style[:-1], color=line.get_color(), alpha=0.35)
-            line, = ax_decode.plot(ks, [m["decode_per_token_s"] * 1000 for _, m in points], style, label=f"{method} L={L}")
-            ax_decode.plot(ks, [_nan(m.get("decode_floor_s")) * 1000 for _, m in points], style[:-1],
-                           color=line.get_color(), alpha=0.35)
-            ax_ratio.plot(ks, [_nan(m.get("ttft_vs_floor")) for _, m in points], "-" + style[-1],
-                          color=line.get_color(), label=f"{method} TTFT L={L}")
-            ax_ratio.plot(ks, [_nan(m.get("decode_vs_floor")) for _, m in points], ":" + style[-1],
-                          color=line.get_color(), mfc="none", label=f"{method} decode L={L}")
-    ax_ratio.axhline(1.0, color="black", lw=0.8)
-    for ax, title, unit in ((ax_ttft, "time to first token (faint: floor)", "s"),
-                            (ax_decode, "decode time per token (faint: floor)", "ms"),
-                            (ax_ratio, "measured / floor", "x")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("documents k")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax_ttft.set_yscale("log")
-    fig.suptitle(f"{results['model']} on {results['device']}: {results['machine_name']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(root / "bench.png", dpi=120)
-    plt.close(fig)
+            if points:
+                figure.add([k for k, _ in points], [m for _, m in points], style, f"{method} L={L}")
+    figure.save(root / "bench.png", f"{results['model']} on {results['device']}: {results['machine_name']}", log_ttft=True)

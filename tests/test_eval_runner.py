@@ -246,7 +246,7 @@ def test_follow_sweeps_decode_time_relevance_and_off_is_todays_run(tmp_path, tin
     off = by_config.pop(next(k for k in by_config if "follow" not in k))
     assert [(r["prediction"], r["trace"]) for r in off] == [(r["prediction"], r["trace"]) for r in records(tmp_path / "plain")]
     (key, followed), = by_config.items()
-    assert key.endswith("|follow=rescore+join,joins=2")
+    assert key.endswith("|follow=rescore+join,joins=2|loop=6")
     for r in followed:
         assert r["settings"]["rescore"] is True and r["settings"]["max_joins"] == 2
         assert len(r["joined"]) <= 2 and len(r["experts"]) == 1

@@ -129,13 +129,17 @@ def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
 
     out = tmp_path / "bench"
     result = run_pced("bench", "--backend", "vllm", "--ks", "2", "--doc-tokens", "64", "--concurrency", "3",
-                      "--repeats", "1", "--new-tokens", "4", "--kv-cache-gb", "0.5", "--out", str(out), timeout=900)
+                      "--repeats", "1", "--new-tokens", "16", "--kv-cache-gb", "0.5", "--remeasure", "--out", str(out),
+                      timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "bench_vllm.json").read_text())
     assert [row["k"] for row in report["latency"]] == [2]
     row = report["latency"][0]
     for mode in ("transformers", "cold", "warm", "recompute"):
-        assert row[mode]["new_tokens"] == 4  # EOS ignored: exactly the asked length
+        assert row[mode]["new_tokens"] == 16  # EOS ignored: exactly the asked length
+        # every time above its floor: the machine's limits measured in this run (a file cached while
+        # the machine was busy holds lower rates, so higher floors); decode over 15 steps, since a
+        # client reading the engine's tokens late sees its first few at once
         assert row[mode]["decode_vs_floor"] > 1 and row[mode]["ttft_vs_floor"] > 1, (mode, row[mode])
     # vLLM's counts: cold reads prefix + documents from the store and computes the question; warm
     # finds them in the prefix cache; recompute prefills all but what its rows share with each other

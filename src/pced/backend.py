@@ -226,6 +226,12 @@ class Backend:
         by default: the caches are read from their files every question."""
         return None
 
+    def bench_threads(self, settings: Any) -> int | None:
+        """The CPU threads its engine computes with when that is not this process's torch threads
+        (an engine in processes of its own): the bench measures the machine's limits, so the floors,
+        with as many. None: this process's."""
+        return None
+
     def work_shape(self, generator: Any) -> WorkShape | None:
         """What one token costs ``generator``'s model on this backend, as it runs (None: the bench
         prints no floor for it)."""

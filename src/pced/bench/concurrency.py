@@ -88,12 +88,17 @@ def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=
     sets = document_sets(llm, cfg, doc_tokens)
     reference.caches.add([d.render() for docs, _, _ in sets for d in docs], progress=True)
     store_bytes = sum(p.stat().st_size for p in reference.caches.root.glob("kv/*/*.safetensors"))
-    prepared = backend.bench_prepare(engine, [])
     shapes = {default.name: default.work_shape(reference), backend.name: backend.work_shape(engine)}
     lengths = len(reference.builder.context_ids([sets[0][0][0].render()]))  # every document: doc_tokens exactly
     spans = {k: method_spans(reference.builder, "pced", [lengths] * k, fresh_question(sets[0][2], 1)) for k in cfg.ks}
-    floors = RunFloors.measure([(s, sp) for s in shapes.values() if s is not None for sp in spans.values()],
-                               llm.device, cfg.remeasure)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(backend.bench_threads(settings) or threads)  # the engine's, for its floors and both columns'
+    try:
+        floors = RunFloors.measure([(s, sp) for s in shapes.values() if s is not None for sp in spans.values()],
+                                   llm.device, cfg.remeasure)
+    finally:
+        torch.set_num_threads(threads)
+    prepared = backend.bench_prepare(engine, [])  # after the machine's limits: an engine's processes may share its cores
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
     numbers = iter(range(1, 1_000_000))
 

@@ -143,6 +143,15 @@ class VLLMBackend(TransformersBackend):
                 raise RuntimeError("vLLM refused to empty its prefix cache for a minute (requests still running)")
             time.sleep(0.1)
 
+    def bench_threads(self, settings: Any) -> int | None:
+        """On the CPU build every core this process may use: one rank takes its NUMA node's CPUs
+        (``VLLM_CPU_OMP_THREADS_BIND=auto``), tensor-parallel ranks share them (``cpu.bind_threads``)."""
+        import os
+
+        from vllm.platforms import current_platform
+
+        return len(os.sched_getaffinity(0)) if current_platform.is_cpu() else None
+
     def work_shape(self, generator: Any) -> Any:
         """The torch model's work with its weights, keys and values in the engine's dtype (the
         platform's where unset; "auto": the model's own, as the torch model loads it)."""

@@ -67,6 +67,16 @@ def test_history_alone_shows_the_state_and_a_bad_value_is_one_line(capsys):
     with pytest.raises(InputError, match="^/history takes on or off, got 'maybe'$"):
         apply_command("/history maybe", options, session)
     assert session["history"] is True  # a bad value changes nothing
+    apply_command("/history off", options, session)
+    assert session == {"history": False, "turns": []}  # off forgets the turn
+
+
+def test_history_on_follows_up_the_question_asked_just_before(capsys):
+    """A person asks, then turns history on to follow that answer up: the turn counts."""
+    options, session = AskOptions(), {"history": False, "turns": [(FIRST, "Mira Quell.")]}
+    apply_command("/history on", options, session)
+    apply_command("/history", options, session)
+    assert capsys.readouterr().out.endswith(f'history on: the next question follows up on "{FIRST}"\n')
 
 
 def test_ask_retrieves_with_the_query_and_answers_the_question(store, tiny_llm):

@@ -75,7 +75,10 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
         elif name == "history":
             if value not in ("on", "off"):
                 raise ValueError(f"/history takes on or off, got {value!r}")
-            session["history"], session["turns"] = value == "on", []
+            # on: the turn just asked counts (a person turns history on to follow it up); off: forgotten
+            session["history"] = value == "on"
+            if value == "off":
+                session["turns"] = []
         else:
             raise ValueError(f"unknown command /{name}; /help lists them")
     except ValueError as exc:
@@ -155,6 +158,5 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\n(stopped)")
             continue
-        if session["history"]:
-            session["turns"] = [(typed, answer.text.strip())]  # a follow-up refers to the turn before it
+        session["turns"] = [(typed, answer.text.strip())]  # a follow-up refers to the turn before it
 

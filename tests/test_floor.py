@@ -95,3 +95,17 @@ def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.inference_mode():
         assert torch.equal(ours.model(ids).logits, theirs(ids).logits)
+
+
+@pytest.mark.slow
+def test_bench_measures_each_methods_memory_in_a_fresh_interpreter(tmp_path):
+    """The memory runs (on by default, off in every other bench test): each probe is a child
+    interpreter that imports the probe, loads the embedded model and answers once."""
+    out = tmp_path / "bench"
+    result = run_pced("bench", "--ks", "1", "--doc-tokens", "32", "--methods", "pced", "--repeats", "1", "--new-tokens", "2",
+                      "--long-new-tokens", "0", "--storage-dtypes", "", "--no-cold", "--no-resident", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    memory, = json.loads((out / "bench.json").read_text())["memory"]
+    assert "error" not in memory, memory
+    assert memory["method"] == "pced" and memory["k"] == 1
+    assert 0 < memory["before_answer_rss_mb"] <= memory["answer_peak_rss_mb"] and memory["peak_rss_mb"] > 0

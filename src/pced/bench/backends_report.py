@@ -20,11 +20,10 @@ def markdown_report(results: dict) -> str:
              "Work as run: " + "; ".join(f"{label} {shape['described_as']}" for label, shape in shapes.items()) + ".", ""]
     for label, rates in (results.get("kernel_flop_s") or {}).items():
         lines += [f"{label}'s own kernels (one decode step of R rows of one or two cells each; reported beside, not "
-                  "the floor): " + ", ".join(f"R = {r}: {v / 1e9:.1f} GFLOP/s" for r, v in rates.items()) + ".", ""]
-    lines += [FLOORS_NOTE + " A backend whose engine holds the documents before the clock starts (vLLM's prefix "
-              "cache) reads nothing for its first token; as the bench asks one question again at every repeat, such an "
-              "engine may find the question's suffix cached too and prefill less than the floor counts (a TTFT "
-              "below 1x its floor).", "",
+                  "the floor): " + ", ".join(f"R = {r}: {v / 1e9:.1f} GFLOP/s"
+                                             for r, v in sorted(rates.items(), key=lambda rv: int(rv[0]))) + ".", ""]
+    lines += [FLOORS_NOTE + " Every repeat asks a question not asked before, an engine's prefix cache emptied "
+              "first, so each backend reads its documents' caches from their files.", "",
               "| k | " + " | ".join(f"{n} TTFT (s) | {n} decode (ms/step)" for n in names) + " |",
               "|---|" + "---|---|" * len(names)]
     for row in results["latency"]:

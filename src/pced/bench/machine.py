@@ -288,5 +288,5 @@ def describe(limits: MachineLimits, gemm_names: Iterable[str] = ()) -> str:
             low = min(limits.gemm[n] for n in names)
             peak += f", {low / 1e9:.1f}-{rate / 1e9:.1f} over this run's {len(names)} shapes"
     return (f"{machine_name(limits.key)}: memory "
-            f"{limits.memory_bandwidth / 1e9:.1f} GB/s (copy), page cache {limits.page_cache_read / 1e9:.1f} GB/s "
+            f"{limits.memory_bandwidth / 1e9:.1f} GB/s (read or copy, the faster), page cache {limits.page_cache_read / 1e9:.1f} GB/s "
             f"read() / {limits.page_cache_mmap / 1e9:.1f} GB/s mmap{peak}; measured {limits.measured_at[:19]}Z")

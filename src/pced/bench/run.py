@@ -285,7 +285,7 @@ def bench_memory(cfg: BenchConfig, root: Path) -> list[dict]:
     for method in cfg.methods:
         for k in sorted(set([min(cfg.ks), 16 if 16 in cfg.ks else max(cfg.ks)])):
             code = (
-                "import json,resource,sys;from pced.bench import memory_probe;"
+                "import json,resource,sys;from pced.bench.run import memory_probe;"
                 f"r=memory_probe({method!r},{k},{L},{str(root)!r},{cfg.storage_dtype!r},{cfg.seed});"
                 "r['peak_rss_mb']=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024;print(json.dumps(r))"
             )

@@ -123,8 +123,9 @@ def _floors(generators: dict, lengths: dict, question: str, cfg: BenchConfig):
     shapes = {label: g.backend.work_shape(g) for label, g in generators.items()}
     spans = {(label, k): method_spans(g.builder, "pced", lengths[label][:k], question)
              for label, g in generators.items() for k in cfg.ks}
+    threads = max((g.backend.bench_threads(g.settings) or 0 for g in generators.values()), default=0)
     floors = RunFloors.measure([(shapes[label], s) for (label, _), s in spans.items() if shapes[label] is not None],
-                               "cpu", cfg.remeasure)
+                               "cpu", cfg.remeasure, threads=max(threads, torch.get_num_threads()))
     kernels = {}
     for label, generator in generators.items():
         for rows in sorted({1, *(k + 1 for k in cfg.ks)}):

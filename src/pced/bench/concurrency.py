@@ -91,13 +91,8 @@ def run_concurrency_bench(llm: LoadedModel, cfg: BenchConfig, backend, settings=
     shapes = {default.name: default.work_shape(reference), backend.name: backend.work_shape(engine)}
     lengths = len(reference.builder.context_ids([sets[0][0][0].render()]))  # every document: doc_tokens exactly
     spans = {k: method_spans(reference.builder, "pced", [lengths] * k, fresh_question(sets[0][2], 1)) for k in cfg.ks}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(backend.bench_threads(settings) or threads)  # the engine's, for its floors and both columns'
-    try:
-        floors = RunFloors.measure([(s, sp) for s in shapes.values() if s is not None for sp in spans.values()],
-                                   llm.device, cfg.remeasure)
-    finally:
-        torch.set_num_threads(threads)
+    floors = RunFloors.measure([(s, sp) for s in shapes.values() if s is not None for sp in spans.values()],
+                               llm.device, cfg.remeasure, threads=backend.bench_threads(settings))  # both columns'
     prepared = backend.bench_prepare(engine, [])  # after the machine's limits: an engine's processes may share its cores
     sampling = SamplingConfig(max_new_tokens=cfg.new_tokens, ignore_eos=True)
     numbers = iter(range(1, 1_000_000))

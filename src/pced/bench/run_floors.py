@@ -45,9 +45,21 @@ class RunFloors:
 
     @classmethod
     def measure(cls, runs: Iterable[tuple[WorkShape, Sequence[RowSpan]]], device: str | torch.device = "cpu",
-                remeasure: bool = False) -> "RunFloors":
+                remeasure: bool = False, threads: int | None = None) -> "RunFloors":
         """The limits for ``runs`` (each a backend's shape and one configuration's rows): cached, or
-        measured once, GEMMs at every shape the runs multiply (in each shape's dtype)."""
+        measured once, GEMMs at every shape the runs multiply (in each shape's dtype); with
+        ``threads`` torch threads where given (an engine computing in processes of its own:
+        ``Backend.bench_threads``), this process's otherwise."""
+        own = torch.get_num_threads()
+        torch.set_num_threads(threads or own)
+        try:
+            return cls._measure(runs, device, remeasure)
+        finally:
+            torch.set_num_threads(own)
+
+    @classmethod
+    def _measure(cls, runs: Iterable[tuple[WorkShape, Sequence[RowSpan]]], device: str | torch.device,
+                 remeasure: bool) -> "RunFloors":
         by_dtype: dict[str, set] = {}
         shapes: list[WorkShape] = []
         for shape, spans in runs:

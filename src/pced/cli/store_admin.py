@@ -11,13 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .terminal import printable
 from .common import InputError
-
-
-def plural(n: int, word: str) -> str:
-    """"1 document", "2 documents"."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
+from .terminal import count, printable
 
 
 def add_store_parser(sub) -> None:
@@ -104,8 +99,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
         if "no document" in str(exc) or "is a chunk of" in str(exc):
             raise InputError(str(exc)) from None
         raise
-    print(f"pced: store {args.store}: removed {plural(len(args.ids), 'document')} ({plural(len(report['removed']), 'stored id')}), "
-          f"{plural(report['kv_orphans_removed'], 'cache file')} deleted; {report['documents']} remain")
+    print(f"pced: store {args.store}: removed {count(len(args.ids), 'document')} ({count(len(report['removed']), 'stored id')}), "
+          f"{count(report['kv_orphans_removed'], 'cache file')} deleted; {report['documents']} remain")
     return 0
 
 

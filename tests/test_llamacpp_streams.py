@@ -203,3 +203,34 @@ def test_bytes_that_are_not_a_sequence_state_are_refused():
     rng = np.random.default_rng(0)
     with pytest.raises(cells.StateLayoutError):
         cells.parse(rng.integers(0, 256, 4096, dtype=np.uint8))
+
+
+def _calls(split: bool, seqs: list[int], step: int = 32, batch: int = 512) -> list[list[int]]:
+    from types import SimpleNamespace
+
+    from pced.backends.llamacpp.model import LlamaContext
+
+    ctx = LlamaContext.__new__(LlamaContext)  # no model: the cutting of calls is arithmetic
+    ctx.split, ctx.seq_step = split, step
+    ctx.model = SimpleNamespace(settings=LlamaSettings(batch_tokens=batch, ubatch_tokens=step))
+    return ctx._calls(seqs)
+
+
+def test_split_streams_take_every_rows_next_tokens_in_one_call():
+    """The question suffix of 17 rows (the amateur's 43 tokens, 45 for each expert): two calls, each
+    holding at most 32 tokens of a row, every entry once, each row's entries in their order."""
+    seqs = [0] * 43 + [seq for seq in range(1, 17) for _ in range(45)]
+    calls = _calls(True, seqs)
+    assert [len(call) for call in calls] == [17 * 32, 11 + 16 * 13]
+    assert sorted(j for call in calls for j in call) == list(range(len(seqs)))
+    for call in calls:
+        assert call == sorted(call)
+        assert max(sum(1 for j in call if seqs[j] == seq) for seq in range(17)) <= 32
+    # a decode step: one token of every row, one call; one sequence: 32 tokens a call
+    assert _calls(True, list(range(17))) == [list(range(17))]
+    assert [len(c) for c in _calls(True, [3] * 70)] == [32, 32, 6]
+
+
+def test_one_unified_cache_takes_batch_tokens_a_call():
+    seqs = [seq for seq in range(17) for _ in range(45)]
+    assert [len(c) for c in _calls(False, seqs)] == [512, 17 * 45 - 512]

@@ -240,7 +240,13 @@ class LlamaContext:
         self.model, self.n_ctx, self.n_seq, self.threads, self.split = model, n_ctx, n_seq, threads, split
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch, params.n_ubatch = model.settings.batch_tokens, model.settings.ubatch_tokens
+        # A compute step holds at most ubatch_tokens tokens of each sequence (``decode`` cuts the calls so).
+        # In a split context each stream attends its own queries (src/llama-graph.cpp:36-41), so a step may
+        # hold that many tokens of every row at once and each row still stays below flash attention's
+        # 64-query tile: the question suffix of k + 1 rows runs in ceil(suffix / ubatch_tokens) steps.
+        self.seq_step = model.settings.ubatch_tokens
+        step_tokens = self.seq_step * (n_seq if split else 1)
+        params.n_batch, params.n_ubatch = max(model.settings.batch_tokens, step_tokens), step_tokens
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
         params.type_k = params.type_v = GGML_TYPES[model.settings.cache_type]
@@ -325,29 +331,49 @@ class LlamaContext:
         return self._batch
 
     def decode(self, tokens, positions, seqs, outputs) -> torch.Tensor:
-        """Run entries (token, position, sequence, wants logits) through the model, ``batch_tokens``
-        at a time; returns the logits of the entries that want them, in order, as [R, V] float32."""
-        n = len(tokens)
-        step = self.model.settings.batch_tokens
+        """Run entries (token, position, sequence, wants logits) through the model; returns the logits
+        of the entries that want them, in order, as [R, V] float32."""
+        calls = self._calls(seqs)
+        order = [j for call in calls for j in call if outputs[j]]  # the wanted entries, in the calls' order
         rows = []
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            batch = self._batch_for(step)
-            for i, j in enumerate(range(start, end)):
+        for call in calls:
+            batch = self._batch_for(len(call))
+            for i, j in enumerate(call):
                 batch.token[i] = tokens[j]
                 batch.pos[i] = positions[j]
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = seqs[j]
                 batch.logits[i] = 1 if outputs[j] else 0
-            batch.n_tokens = end - start
+            batch.n_tokens = len(call)
             status = int(self.lib.llama_decode(self.handle, batch))
             if status != 0:
                 raise RuntimeError(f"llama_decode failed ({status}): "
                                    + ("the KV cache is full" if status == 1 else "see PCED_LLAMA_LOG=1"))
-            wanted = sum(1 for j in range(start, end) if outputs[j])
+            wanted = sum(1 for j in call if outputs[j])
             if wanted:
                 pointer = self.lib.llama_get_logits(self.handle)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, self.n_vocab)).copy()))
         if not rows:
             return torch.empty(0, self.n_vocab)
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+        logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+        if order != sorted(order):
+            logits = logits[torch.tensor(order).argsort()]
+        return logits
+
+    def _calls(self, seqs) -> list[list[int]]:
+        """The entries of each ``llama_decode`` call. One unified cache: ``batch_tokens`` entries at a
+        time, which llama.cpp cuts into compute steps of ``ubatch_tokens``. Split streams: call r takes
+        entries r·s to (r + 1)·s − 1 of every sequence (s = ``ubatch_tokens``), in the given order, so a
+        step never holds more than s tokens of a stream however many rows it holds."""
+        if not self.split:
+            step = self.model.settings.batch_tokens
+            return [list(range(start, min(len(seqs), start + step))) for start in range(0, len(seqs), step)]
+        fed: dict[int, int] = {}
+        calls: list[list[int]] = []
+        for j, seq in enumerate(seqs):
+            call = fed.get(seq, 0) // self.seq_step
+            fed[seq] = fed.get(seq, 0) + 1
+            if call == len(calls):
+                calls.append([])
+            calls[call].append(j)
+        return calls

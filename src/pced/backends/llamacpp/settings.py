@@ -13,11 +13,12 @@ class LlamaSettings:
 
     cache_type: str = "f16"  # the KV cache's type (keys and values); q8_0 halves a stored state
     threads: int | None = None  # None: torch's intra-op threads, i.e. --threads
-    batch_tokens: int = 512  # tokens per llama_decode call (n_batch)
-    # tokens per compute step (n_ubatch): below 64, llama.cpp's CPU kernels give a row the same numbers
-    # whatever else is in the step (at 64 queries its flash attention tiles, ggml-cpu/ops.cpp:9547-9551:
-    # a row's logits moved by up to 0.5; K-quant products are kept untiled, see backends/llamacpp/model.py),
-    # so every PCED row is exactly its expert decoded alone; a step of more rows runs as several
+    batch_tokens: int = 512  # tokens per llama_decode call (n_batch) in one unified KV cache
+    # tokens of one sequence per compute step (n_ubatch; with a KV stream per row, a step holds this many
+    # of every row): below 64, llama.cpp's CPU kernels give a row the same numbers whatever else is in
+    # the step (at 64 queries of a stream its flash attention tiles, ggml-cpu/ops.cpp:9547-9551: a row's
+    # logits moved by up to 0.5; K-quant products are kept untiled, see backends/llamacpp/model.py), so
+    # every PCED row is exactly its expert decoded alone
     ubatch_tokens: int = 32
     # layers offloaded to a GPU: None, all of them when llama-cpp-python was built with a GPU backend
     # (Metal, CUDA, Vulkan: llama_supports_gpu_offload) and none otherwise; 0 keeps the model on the CPU

@@ -29,9 +29,7 @@ difference) and both paths' greedy tokens. Writes ``cpu_kernels.json`` and ``cpu
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
-import os
 import platform
 import statistics
 import sys
@@ -49,6 +47,7 @@ from pced.kv.buffer import SpareBuffer
 from pced.kv.store import KVStore
 from pced.llm import load_model
 from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from results_files import save
 
 
 def cpu_and_wall():
@@ -256,11 +255,7 @@ def main(argv=None) -> dict:
         results["attention"] = attention_plans(models, store, digests, prefix, suffix, amateur, args)
     if args.bf16:
         results["bf16"] = bf16_step(models, store, digests[: max(ks)], prefix, suffix, amateur, args.steps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_kernels.json").write_text(json.dumps(results, indent=2))
-    (out / "cpu_kernels.md").write_text(markdown(results))
-    print(markdown(results))
+    save(args.out, "cpu_kernels", results, markdown(results))
     return results
 
 

@@ -22,7 +22,6 @@ machine limits). Then:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pced.bench.run_floors import RunFloors, method_spans
 from pced.kv.store import KVStore
 from pced.llm import load_model
 from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from results_files import save
 
 PRODUCTS = ("linear", "addmm", "aten::mm", "matmul")
 ATTENTION = ("scaled_dot_product", "flash_attention")
@@ -212,11 +212,7 @@ def main(argv=None) -> dict:
         "best_products_s": products, "best_rates_flop_s": rates, "attention_kv_read_s": kv_read, "attention_kernels": kernels,
         "product_kernels": product_kernels, "best_kernels_s": products + best_attention, "best_kernels_vs_floor": (products + best_attention) / floor.floor_s,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_bounds.json").write_text(json.dumps(results, indent=2))
-    (out / "decode_bounds.md").write_text(markdown(results))
-    print(markdown(results))
+    save(args.out, "decode_bounds", results, markdown(results))
     return results
 
 

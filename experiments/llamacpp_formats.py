@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from results_files import save
+
 # llama_ftype and ggml_type of each format (llama.h, ggml.h of llama.cpp as vendored by 0.3.36)
 FORMATS = {"Q4_1": None, "Q8_0": (7, 8), "Q4_0": (2, 2), "BF16": (32, 30), "F32": (0, 0)}
 
@@ -103,10 +105,7 @@ def main(argv=None) -> dict:
             run["gguf_bytes"] = Path(model).stat().st_size
             results["runs"][f"{build} {name}"] = run
     results["machine"] = next(iter(results["runs"].values()))["machine"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "llamacpp_formats.json").write_text(json.dumps(results, indent=2))
-    (out / "llamacpp_formats.md").write_text(markdown(results))
-    print(markdown(results))
+    save(out, "llamacpp_formats", results, markdown(results))
     return results
 
 

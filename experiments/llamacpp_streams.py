@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from results_files import save
 
 QUANTS = {"Q4_1": None, "Q8_0": 7, "Q4_0": 2}  # llama_ftype (LLAMA_FTYPE_MOSTLY_*); None: the GGUF as shipped
 GGML_TYPE_Q8_0 = 8
@@ -432,11 +433,7 @@ def main() -> None:
         print(f"{name}: TTFT {row['ttft_s']:.2f} s, step {row['step_s'] * 1e3:.1f} ms, "
               f"row alone differs by {row['row_alone_max_abs_diff']:.3g}", flush=True)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "streams.json").write_text(json.dumps(results, indent=2))
-    (out / "streams.md").write_text(markdown(results))
-    print(markdown(results))
+    save(args.out, "streams", results, markdown(results))
 
 
 def markdown(results: dict) -> str:

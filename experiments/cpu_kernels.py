@@ -281,11 +281,10 @@ def buffer_loads(models, store, digests, prefix, suffix, amateur, ks, repeats) -
 def attention_plans(models, store, digests, prefix, suffix, amateur, args) -> list[dict]:
     """The decode step (fast path) with attention by each row's own length forced on and off:
     16 documents of the run's length, then 16 of mixed lengths (32 to 480 tokens)."""
-    mixed = []
+    llm, mixed = use_path(models, "fast"), []
     for i, tokens in enumerate(range(32, 481, 28)):
         docs, _, _ = secret_code_documents(llm, 1, tokens, 100 + i)
         mixed += store.add([d.render() for d in docs], progress=False)
-    llm = use_path(models, "fast")
     out = []
     for name, chosen in (("equal", digests[:16]), ("mixed", mixed)):
         lengths = [store.load(h).n_tokens for h in chosen]

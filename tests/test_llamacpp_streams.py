@@ -211,7 +211,7 @@ def _calls(split: bool, seqs: list[int], step: int = 32, batch: int = 512) -> li
     from pced.backends.llamacpp.model import LlamaContext
 
     ctx = LlamaContext.__new__(LlamaContext)  # no model: the cutting of calls is arithmetic
-    ctx.split, ctx.seq_step = split, step
+    ctx.split = split
     ctx.model = SimpleNamespace(settings=LlamaSettings(batch_tokens=batch, ubatch_tokens=step))
     return ctx._calls(seqs)
 

@@ -244,8 +244,7 @@ class LlamaContext:
         # In a split context each stream attends its own queries (src/llama-graph.cpp:36-41), so a step may
         # hold that many tokens of every row at once and each row still stays below flash attention's
         # 64-query tile: the question suffix of k + 1 rows runs in ceil(suffix / ubatch_tokens) steps.
-        self.seq_step = model.settings.ubatch_tokens
-        step_tokens = self.seq_step * (n_seq if split else 1)
+        step_tokens = model.settings.ubatch_tokens * (n_seq if split else 1)
         params.n_batch, params.n_ubatch = max(model.settings.batch_tokens, step_tokens), step_tokens
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
@@ -365,13 +364,14 @@ class LlamaContext:
         time, which llama.cpp cuts into compute steps of ``ubatch_tokens``. Split streams: call r takes
         entries r·s to (r + 1)·s − 1 of every sequence (s = ``ubatch_tokens``), in the given order, so a
         step never holds more than s tokens of a stream however many rows it holds."""
+        settings = self.model.settings
         if not self.split:
-            step = self.model.settings.batch_tokens
+            step = settings.batch_tokens
             return [list(range(start, min(len(seqs), start + step))) for start in range(0, len(seqs), step)]
         fed: dict[int, int] = {}
         calls: list[list[int]] = []
         for j, seq in enumerate(seqs):
-            call = fed.get(seq, 0) // self.seq_step
+            call = fed.get(seq, 0) // settings.ubatch_tokens
             fed[seq] = fed.get(seq, 0) + 1
             if call == len(calls):
                 calls.append([])

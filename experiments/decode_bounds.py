@@ -88,6 +88,16 @@ def best_products_s(model, floors: RunFloors, rows: int, repeats: int) -> tuple[
     return total, rates
 
 
+def median_seconds(run, repeats: int) -> float:
+    """Wall seconds of ``run()``, median of ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 class Products(torch.nn.Module):
     """A decode step's products alone: every linear layer of a model, in order, on a [rows, in] input."""
 
@@ -122,12 +132,7 @@ def compiled_products(fast_model, rows: int, repeats: int = 9) -> dict:
             variants[f"torch.compile {mode}, frozen weights (compiled in {time.perf_counter() - started:.0f} s)"] = compiled
         for name, module in variants.items():
             difference = max(float((a - b).abs().max()) for a, b in zip(module(inputs), reference))
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                module(inputs)
-                times.append(time.perf_counter() - started)
-            result[name] = {"seconds": statistics.median(times), "max_abs_difference": difference}
+            result[name] = {"seconds": median_seconds(lambda: module(inputs), repeats), "max_abs_difference": difference}
     return result
 
 
@@ -158,13 +163,8 @@ def attention_kernels(config, rows: int, cells: list[int], repeats: int = 9) -> 
     reference, result = sdpa(keys[0], values[0]), {}
     for name, kernel in kernels.items():
         difference = float((kernel(keys[0], values[0]) - reference).abs().max())
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for k, v in zip(keys, values):
-                kernel(k, v)
-            times.append(time.perf_counter() - started)
-        result[name] = {"seconds": statistics.median(times), "max_abs_difference": difference}
+        every_layer = lambda: [kernel(k, v) for k, v in zip(keys, values)]
+        result[name] = {"seconds": median_seconds(every_layer, repeats), "max_abs_difference": difference}
     return result
 
 

@@ -30,25 +30,30 @@ from results_files import save
 FORMATS = {"Q4_1": None, "Q8_0": (7, 8), "Q4_0": (2, 2), "BF16": (32, 30), "F32": (0, 0)}
 
 
-def requantized(name: str, work: Path) -> str:
+def requantize(source: str, target: Path, ftype: int, tensor_type: int) -> str:
+    """``source`` requantized by llama.cpp into ``target`` (kept: made once): every block tensor in
+    llama_ftype ``ftype``, the token embedding and the output layer in ggml type ``tensor_type``."""
     import llama_cpp
 
-    from pced.llm import _embedded_gguf
-
-    source = str(_embedded_gguf())
-    if FORMATS[name] is None:
-        return source
-    target = work / f"smollm2-135m-{name}.gguf"
     if not target.is_file():
-        ftype, tensor_type = FORMATS[name]
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.allow_requantize, params.pure, params.nthread = ftype, True, True, os.cpu_count() or 1
         params.token_embedding_type = params.output_tensor_type = tensor_type
         partial = target.with_suffix(".partial")
         if llama_cpp.llama_model_quantize(source.encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit(f"llama_model_quantize failed for {name}")
+            raise SystemExit(f"llama_model_quantize failed for {target.name}")
         partial.rename(target)
     return str(target)
+
+
+def requantized(name: str, work: Path) -> str:
+    """The embedded GGUF in format ``name`` (as shipped for Q4_1)."""
+    from pced.llm import _embedded_gguf
+
+    source = str(_embedded_gguf())
+    if FORMATS[name] is None:
+        return source
+    return requantize(source, work / f"smollm2-135m-{name}.gguf", *FORMATS[name])
 
 
 def system_info(site: str) -> str:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from llamacpp_formats import requantize
 from results_files import save
 
 QUANTS = {"Q4_1": None, "Q8_0": 7, "Q4_0": 2}  # llama_ftype (LLAMA_FTYPE_MOSTLY_*); None: the GGUF as shipped
@@ -169,19 +170,8 @@ def count_decode_cpu() -> None:
 def quantized(source: str, name: str, ftype: int | None, work: Path) -> str:
     if ftype is None:
         return source
-    import llama_cpp
-
-    target = work / f"smollm2-135m-{name}.gguf"
-    if not target.is_file():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize, params.pure = ftype, True, True
-        params.token_embedding_type = params.output_tensor_type = GGML_TYPE_Q8_0  # as the shipped GGUF
-        params.nthread = os.cpu_count() or 1
-        partial = target.with_suffix(".partial")
-        if llama_cpp.llama_model_quantize(source.encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit(f"llama_model_quantize failed for {name}")
-        partial.rename(target)
-    return str(target)
+    # the tied embedding and output layer in Q8_0, as the shipped GGUF holds them
+    return requantize(source, work / f"smollm2-135m-{name}.gguf", ftype, GGML_TYPE_Q8_0)
 
 
 class Bench:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.documents import Candidate
 from pced.evaluation.compare import format_comparison, paired_comparison
 from pced.evaluation.config import EvalConfig

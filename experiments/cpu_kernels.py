@@ -46,7 +46,7 @@ from pced.kv import attention
 from pced.kv.buffer import SpareBuffer
 from pced.kv.store import KVStore
 from pced.llm import load_model
-from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 from results_files import save
 
 

@@ -37,7 +37,7 @@ from pced.bench.run import secret_code_documents
 from pced.bench.run_floors import RunFloors, method_spans
 from pced.kv.store import KVStore
 from pced.llm import load_model
-from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 from results_files import save
 
 PRODUCTS = ("linear", "addmm", "aten::mm", "matmul")

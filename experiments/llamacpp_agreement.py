@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from pced.cli.store import DEMO_OPTIONS
-from pced.corpus import read_corpus
+from pced.corpus.reader import read_corpus
 from pced.evaluation.compare import format_comparison, paired_comparison
 from pced.fs import atomic_write_json, atomic_write_text
 from pced.backends.llamacpp.settings import LLAMA_CACHE_TYPES, LlamaSettings

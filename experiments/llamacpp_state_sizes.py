@@ -35,7 +35,7 @@ def main() -> None:
     from pced.backends.llamacpp.model import LlamaModel
     from pced.backends.llamacpp.states import StateStore
     from pced.backends.llamacpp.settings import LlamaSettings
-    from pced.prompts import RAG_TEMPLATE, PromptBuilder
+    from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,7 @@ class Bench:
         from pced.backends.llamacpp.states import StateStore
         from pced.evaluation.secret_code import make_secret_code
         from pced.backends.llamacpp.settings import LlamaSettings
-        from pced.prompts import RAG_TEMPLATE, PromptBuilder
+        from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
         settings = LlamaSettings(threads=threads)
         self.split = LlamaModel(path, settings)

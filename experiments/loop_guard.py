@@ -1,4 +1,4 @@
-"""What the loop guard (``pced.repetition``) would do to every answer stored under docs/results:
+"""What the loop guard (``pced.decoding.repetition``) would do to every answer stored under docs/results:
 how many it cuts, and whether any score moves, for several minimum spans.
 
     python experiments/loop_guard.py --spans 4,5,6,8 --out docs/results/loop_guard
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from pced.evaluation.metrics import score
-from pced.repetition import LoopGuard
+from pced.decoding.repetition import LoopGuard
 
 
 def stored_answers(root: Path) -> list[dict]:

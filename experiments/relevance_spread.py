@@ -28,7 +28,7 @@ from pced.retrieval.scores import EPS
 
 def gates(ranges: list[float], stds: list[float], gammas: list[float]) -> dict:
     """Best-to-worst gate (logits) of each prior and gamma: median [p10, p90] over questions."""
-    from pced.rule import SPREAD_FLOOR
+    from pced.decoding.rule import SPREAD_FLOOR
 
     out = {}
     for prior in ("log", "standardized"):

@@ -11,11 +11,11 @@ from pced.backends.ape_attention import APE_ATTENTION, ape_attention_forward, ap
 from pced.methods.ape import APEGeneration, ape_from_store
 from pced.methods.concat import PlainGeneration
 from pced.kv.buffer import BufferCache, forward_slots
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.kv.store import KVStore
 from pced.kv.encode import encode_documents, encode_prefix
 from pced.llm import LoadedModel
-from pced.prompts import PromptBuilder
+from pced.text.prompts import PromptBuilder
 
 from helpers.experts import encode_setup
 

@@ -16,8 +16,8 @@ import pced.kv.attention as attention
 from pced.kv.attention import PCED_ATTENTION, pced_attention_forward
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.methods.concat import PlainGeneration
-from pced.rule import RuleConfig
-from pced.sampling import SamplingConfig
+from pced.decoding.rule import RuleConfig
+from pced.decoding.sampling import SamplingConfig
 
 from helpers.experts import encode_setup
 

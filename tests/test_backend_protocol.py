@@ -19,7 +19,7 @@ from pced.backend import DEFAULT_BACKEND, all_backends, backend_names, get_backe
 from pced.cli import main
 from pced.errors import UserError
 from pced.options import METHODS, AskOptions
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 
 LOFT_TINY = Path(__file__).parent / "fixtures" / "loft_tiny"
 TESTS = Path(__file__).parent

@@ -84,8 +84,8 @@ def test_a_request_timeout_that_is_not_a_positive_number_is_refused(store_dir, c
 def test_library_settings_are_refused_by_the_dataclasses_that_own_them():
     from pced.errors import UserError
     from pced.options import AskOptions
-    from pced.rule import RuleConfig
-    from pced.sampling import SamplingConfig
+    from pced.decoding.rule import RuleConfig
+    from pced.decoding.sampling import SamplingConfig
 
     for make in (lambda: SamplingConfig(temperature=1e-300), lambda: SamplingConfig(temperature=0.5, top_p=1e-300),
                  lambda: SamplingConfig(max_new_tokens=100_000_000), lambda: SamplingConfig(max_new_tokens=True),

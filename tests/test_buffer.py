@@ -9,8 +9,8 @@ import torch
 from pced.kv.buffer import BufferCache
 from pced.methods.concat import PlainGeneration
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.rule import RuleConfig
-from pced.sampling import SamplingConfig
+from pced.decoding.rule import RuleConfig
+from pced.decoding.sampling import SamplingConfig
 
 from helpers.experts import encode_setup
 

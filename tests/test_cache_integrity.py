@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.cli import main
-from pced.decoding import DecodingError
+from pced.decoding.loop import DecodingError
 from pced.documents import Candidate, Document
 from pced.kv.format import CacheError, mmap_safetensors, verify_cache_dir
 from pced.store import IndexSettings, index_store

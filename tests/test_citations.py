@@ -4,8 +4,8 @@ import io
 
 import pytest
 
-from pced.answers import Answer, Step, answer_json
-from pced.citations import CitationRule, cite, cite_answer, split_sentences
+from pced.text.answers import Answer, Step, answer_json
+from pced.text.citations import CitationRule, cite, cite_answer, split_sentences
 from pced.documents import Candidate, Document
 
 A = Document("quell", "Mira Quell was born in the town of Oskvale.", "Mira Quell")
@@ -97,7 +97,7 @@ def test_a_real_tiny_model_answer_cites_its_experts(tmp_path, tiny_llm):
     from pced.generator import Generator
     from pced.pipeline import ask_candidates
     from pced.options import AskOptions
-    from pced.sampling import SamplingConfig
+    from pced.decoding.sampling import SamplingConfig
 
     generator = Generator(tiny_llm, "rag", tmp_path / "kv", "float32")
     options = AskOptions(gamma=1.0, sampling=SamplingConfig(max_new_tokens=24))

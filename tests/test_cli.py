@@ -8,7 +8,7 @@ import torch
 
 from pced.cli import build_parser, main
 from pced.evaluation.config import EvalConfig
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.server.schemas import AnswerRequest, Limits, answer_job
 
 

@@ -1,4 +1,4 @@
-"""Corpus shapes and containers chosen by content (pced.corpus_formats through read_corpus)."""
+"""Corpus shapes and containers chosen by content (pced.corpus.formats through read_corpus)."""
 
 import gzip
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from pced.cli import main
-from pced.corpus import CorpusError, read_corpus
-from pced.corpus_formats import content_doc_id, read_documents
+from pced.corpus.reader import CorpusError, read_corpus
+from pced.corpus.formats import content_doc_id, read_documents
 
 SHARED_DATA = Path(__file__).parents[1].parent / "shared" / "data"
 RECORDS = [{"id": "a", "title": "Alpha", "text": "Alpha is first."}, {"id": "b", "text": "Beta is second."}]

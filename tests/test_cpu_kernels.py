@@ -18,8 +18,8 @@ from pced.backends.transformers.bench import weight_bytes
 from pced.kv.buffer import BufferCache, SpareBuffer
 from pced.llm import OneDNNLinear, choose_linear_kernel, load_model, onednn_linear_refusal
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.rule import RuleConfig
-from pced.sampling import SamplingConfig
+from pced.decoding.rule import RuleConfig
+from pced.decoding.sampling import SamplingConfig
 
 from helpers.experts import encode_setup
 

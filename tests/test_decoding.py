@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from pced.decoding import Generation, PlainScoring, Rows, ban_repeated_ngrams
-from pced.sampling import SamplingConfig
+from pced.decoding.loop import Generation, PlainScoring, Rows, ban_repeated_ngrams
+from pced.decoding.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration, generate
-from pced.rule import AMATEUR, RuleConfig
+from pced.decoding.rule import AMATEUR, RuleConfig
 
 from helpers.experts import encode_setup, repeats
 
@@ -113,7 +113,7 @@ def test_stop_string_and_timings(setup):
 
 
 def test_split_characters_are_held_back_until_complete(tiny_llm):
-    from pced.detokenize import TextTracker
+    from pced.text.detokenize import TextTracker
 
     tokenizer = tiny_llm.tokenizer
     ids = tokenizer("日本語のテキスト 𝔘𝔫𝔦", add_special_tokens=False)["input_ids"]
@@ -185,7 +185,7 @@ def test_rows_that_decide_themselves_hand_the_loop_decisions_it_takes_as_they_ar
     detokenizes, stops at EOS and traces exactly the tokens and winners they hand it, and never asks
     the scoring for scores."""
     from pced.backends.vllm.engine import TapeScoring
-    from pced.decoding import Decision, Generation
+    from pced.decoding.loop import Decision, Generation
     from pced.documents import Candidate, Document
 
     tokens = tiny_llm.tokenizer.encode(" Oskvale, by the lake", add_special_tokens=False)
@@ -248,7 +248,7 @@ def test_one_host_read_per_step_of_a_plain_answer(setup):
 
 def test_the_draw_is_torch_multinomial_on_the_same_generator():
     """pick_token's exponential draw gives torch.multinomial's tokens for the same seed (one sample)."""
-    from pced.decoding import pick_token
+    from pced.decoding.loop import pick_token
 
     sampling = SamplingConfig(temperature=0.7)
     for seed in range(100):
@@ -259,7 +259,7 @@ def test_the_draw_is_torch_multinomial_on_the_same_generator():
 
 
 def test_a_damaged_row_is_named_from_the_steps_one_read(setup):
-    from pced.decoding import DecodingError
+    from pced.decoding.loop import DecodingError
 
     llm, builder, prefix, caches = setup
     broken = type(caches[1])(keys=caches[1].keys.clone(), values=caches[1].values.clone())

@@ -13,13 +13,13 @@ import os
 import pytest
 import torch
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.methods.ape import APEGeneration
 from pced.kv.store import KVStore
 from pced.methods.concat import PlainGeneration
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.prompts import PromptBuilder
-from pced.rule import RuleConfig
+from pced.text.prompts import PromptBuilder
+from pced.decoding.rule import RuleConfig
 
 from helpers.experts import encode_setup
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.documents import Document
 from pced.documents import Candidate
 from pced.generator import Generator
-from pced.prompts import PromptBuilder
-from pced.rule import RuleConfig
+from pced.text.prompts import PromptBuilder
+from pced.decoding.rule import RuleConfig
 
 pytestmark = pytest.mark.slow  # the embedded model
 

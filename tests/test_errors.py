@@ -9,13 +9,13 @@ import logging
 import pytest
 
 from pced.cli import main
-from pced.decoding import DecodingError
+from pced.decoding.loop import DecodingError
 from pced.errors import DataError, PcedError, UserError
 from pced.evaluation.records import DatasetError
 from pced.kv.format import CacheError
 from pced.llm import ModelLoadError
 from pced.options import QuestionError
-from pced.prompts import PromptError
+from pced.text.prompts import PromptError
 from pced.store import StoreError
 from helpers.server import QUESTION, tiny_store
 
@@ -27,7 +27,7 @@ def store(tmp_path_factory, tiny_llm):
 
 def test_every_error_pced_raises_on_purpose_is_of_one_kind():
     from pced.cli.common import InputError
-    from pced.corpus import CorpusError
+    from pced.corpus.reader import CorpusError
     from pced.evaluation.config import EvalError
     from pced.server.schemas import RequestError
 
@@ -47,7 +47,7 @@ def test_an_unexpected_value_error_in_the_pipeline_is_a_500_with_a_logged_traceb
 
     from pced.server import create_app
 
-    monkeypatch.setattr("pced.decoding.pick_token", a_bug)
+    monkeypatch.setattr("pced.decoding.loop.pick_token", a_bug)
     with TestClient(create_app(store), raise_server_exceptions=False) as client:
         with caplog.at_level(logging.ERROR, logger="pced.server"):
             response = client.post("/v1/pced/answer", json={"question": QUESTION, "max_tokens": 4})
@@ -71,7 +71,7 @@ def test_a_user_error_deep_in_the_pipeline_is_still_a_400_without_a_traceback(st
     def refused(*args, **kwargs):
         raise UserError("this setting is refused")
 
-    monkeypatch.setattr("pced.decoding.pick_token", refused)
+    monkeypatch.setattr("pced.decoding.loop.pick_token", refused)
     with TestClient(create_app(store), raise_server_exceptions=False) as client:
         with caplog.at_level(logging.ERROR, logger="pced.server"):
             response = client.post("/v1/pced/answer", json={"question": QUESTION, "max_tokens": 4})
@@ -81,7 +81,7 @@ def test_a_user_error_deep_in_the_pipeline_is_still_a_400_without_a_traceback(st
 
 def test_an_unexpected_value_error_on_the_cli_is_an_internal_error_not_bad_input(store, tiny_model_dir, monkeypatch,
                                                                                     capsys):
-    monkeypatch.setattr("pced.decoding.pick_token", a_bug)
+    monkeypatch.setattr("pced.decoding.loop.pick_token", a_bug)
     code = main(["ask", str(store.root), QUESTION, "--model", str(tiny_model_dir), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 1, err
@@ -94,7 +94,7 @@ def test_damaged_data_is_one_line_exit_2_on_the_cli(store, tiny_model_dir, monke
     def damaged(*args, **kwargs):
         raise CacheError("cache file X is damaged")
 
-    monkeypatch.setattr("pced.decoding.pick_token", damaged)
+    monkeypatch.setattr("pced.decoding.loop.pick_token", damaged)
     code = main(["ask", str(store.root), QUESTION, "--model", str(tiny_model_dir), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == "pced: error: cache file X is damaged", err

@@ -11,7 +11,7 @@ from pced.cli import main
 from pced.evaluation import DatasetError, resolve_data_dir
 from pced.evaluation.runner import EvalConfig, EvalError, RunConfig, build_grid, run_eval, validate
 from pced.evaluation.report import format_table
-from pced.rule import RuleConfig
+from pced.decoding.rule import RuleConfig
 
 from helpers.cli import run_pced
 

@@ -5,12 +5,12 @@ the second document's relevance."""
 import pytest
 import torch
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.backends.rows import ExpertRows
 from pced.documents import Candidate, Document
 from pced.methods.follow import Follow
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.rule import RuleConfig
+from pced.decoding.rule import RuleConfig
 
 from helpers.server import QUESTION as BRIDGE_QUESTION, tiny_store
 from helpers.experts import encode_setup

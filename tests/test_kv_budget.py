@@ -6,7 +6,7 @@ from pced.documents import Document
 from pced.kv.budget import GB
 from pced.options import AskOptions
 from pced.pipeline import ask
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.store import DocumentStore, IndexSettings, index_store
 
 FACTS = [Document(f"d{i}", f"Fact {i}: the {c} lantern of Vey{i} is kept in tower {i * 7}.", f"Vey{i}")

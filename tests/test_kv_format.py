@@ -7,7 +7,7 @@ import pytest
 import pced.kv.format as kv_format
 from pced.kv.format import CacheError, verify_cache_dir
 from pced.kv.store import KVStore
-from pced.prompts import PromptBuilder
+from pced.text.prompts import PromptBuilder
 
 DOCS = ["Mira Quell founded Zorblax. " * 6, "Oskvale lies on Lake Tarnow and has a long pier. " * 9]
 

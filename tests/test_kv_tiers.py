@@ -4,15 +4,15 @@ store answers exactly like the memory-mapped one."""
 import pytest
 import torch
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.generator import Generator
 from pced.kv.segment import DocKV, PinnedStaging, quantize_int8
 from pced.kv.tiers import GIB, CacheTiers, DevicePool, device_pool
 from pced.kv.format import CacheError, verify_cache_dir
 from pced.kv.store import KVStore
 from pced.documents import Candidate, Document
-from pced.prompts import PromptBuilder
-from pced.rule import RuleConfig
+from pced.text.prompts import PromptBuilder
+from pced.decoding.rule import RuleConfig
 
 DOCS = ["Mira Quell founded Zorblax. " * 6, "Oskvale lies on Lake Tarnow and has a long pier. " * 9, "Short one."]
 QUESTION = "Where was the founder born?"

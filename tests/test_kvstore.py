@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.methods.pced import Expert, PCEDGeneration
 from pced.kv.format import CacheError
 from pced.kv.store import KVStore
 from pced.kv.encode import encode_documents, encode_prefix
 from pced.llm import load_model
-from pced.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
-from pced.rule import RuleConfig
+from pced.text.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
+from pced.decoding.rule import RuleConfig
 
 DOCS = ["Mira Quell founded Zorblax.", "Oskvale lies on Lake Tarnow. " * 10, "Short one."]
 QUESTION = "Where was the founder born?"

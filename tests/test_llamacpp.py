@@ -19,9 +19,9 @@ from pced.kv.format import CacheError
 from pced.llm import ModelLoadError
 from pced.backends.llamacpp.settings import LlamaSettings
 from pced.options import AskOptions
-from pced.prompts import RAG_TEMPLATE, PromptBuilder
-from pced.rule import RuleConfig
-from pced.sampling import SamplingConfig
+from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
+from pced.decoding.rule import RuleConfig
+from pced.decoding.sampling import SamplingConfig
 
 DOC = ("The Tallis Observatory stands on Mount Verrin at 2,140 metres. It was founded in 1911 by the astronomer "
        "Edith Maro, whose catalogue of variable stars is still used. The secret code of the observatory is 4417-KESTREL.")

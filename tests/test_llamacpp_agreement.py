@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pced.corpus import read_corpus
+from pced.corpus.reader import read_corpus
 from pced.backends.llamacpp.settings import LlamaSettings
-from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_KL = 0.02  # nats; the largest measured was 0.0083

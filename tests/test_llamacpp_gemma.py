@@ -21,8 +21,8 @@ from helpers.llama_reference import llama_cpp_greedy
 from pced.cli import main
 from pced.documents import Candidate, Document
 from pced.backends.llamacpp.settings import LlamaSettings
-from pced.rule import RuleConfig
-from pced.sampling import SamplingConfig
+from pced.decoding.rule import RuleConfig
+from pced.decoding.sampling import SamplingConfig
 from test_llamacpp import DOC, OTHER, QUESTION, _fresh_logits, _joined_and_from_start, _restored_logits, _store
 
 
@@ -49,7 +49,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma_is_a_base_model_prompted_as_plain_text_with_bos(gemma):
-    from pced.prompts import RAG_TEMPLATE, PromptBuilder
+    from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
     assert gemma.plain_prompt and gemma.n_swa > 0  # no chat template in the GGUF; sliding-window layers
     builder = PromptBuilder(gemma.tokenizer, RAG_TEMPLATE)

@@ -23,7 +23,7 @@ from pced.kv.budget import GB  # noqa: E402
 from pced.backends.llamacpp.settings import LlamaSettings  # noqa: E402
 from pced.options import AskOptions  # noqa: E402
 from pced.pipeline import ask  # noqa: E402
-from pced.sampling import SamplingConfig  # noqa: E402
+from pced.decoding.sampling import SamplingConfig  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
 from pced.store import DocumentStore, IndexSettings, index_store  # noqa: E402
 

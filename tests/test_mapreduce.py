@@ -4,8 +4,8 @@ import pytest
 
 from pced.methods.concat import PlainGeneration
 from pced.methods.mapreduce import MAP_INSTRUCTION, MapReduceGeneration, map_prompt_ids
-from pced.sampling import SamplingConfig
-from pced.prompts import PromptBuilder
+from pced.decoding.sampling import SamplingConfig
+from pced.text.prompts import PromptBuilder
 
 QUESTION = "Which town was the founder born in?"
 DOCS = [

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.documents import Candidate, Document
 from pced.generator import Generator
 from pced.options import METHODS, AskOptions
@@ -58,7 +58,7 @@ def test_every_method_honours_stop_strings_and_seeds(method, tiny_llm, tmp_path)
 @pytest.mark.slow
 def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
     from pced.bench.run import BenchConfig, run_bench, secret_code_documents
-    from pced.prompts import RAG_TEMPLATE
+    from pced.text.prompts import RAG_TEMPLATE
 
     config = BenchConfig(ks=(2, 3), doc_tokens=(24,), repeats=1, new_tokens=4, long_new_tokens=5,
                          storage_dtypes=("float16", "int8"), memory=False, cold=False, out=str(tmp_path / "bench"))
@@ -86,7 +86,7 @@ def test_bench_runs_every_method_to_the_exact_length(tiny_llm, tmp_path):
 def test_one_dispatch_builds_every_method_and_the_generator_streams_through_it(tiny_llm, tmp_path):
     from pced.methods import BUILDERS, start
     from pced.methods.pced import Expert, PCEDGeneration
-    from pced.rule import RuleConfig
+    from pced.decoding.rule import RuleConfig
 
     assert set(BUILDERS) == set(METHODS)  # a method is added in one place
     generator = Generator(tiny_llm, "rag", tmp_path / "kv", "float32")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.rule import RuleConfig, prior_term
-from pced.sampling import SamplingConfig
+from pced.decoding.rule import RuleConfig, prior_term
+from pced.decoding.sampling import SamplingConfig
 
 from helpers.experts import encode_setup, old_prior, repeats
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.cli import main
 from pced.cli.common import add_decoding_options, ask_options_from
 from pced.options import MODEL_FAMILY_RULES, PAPER_RULE, AskOptions, family_defaults, model_family, resolve_rule
-from pced.rule import RuleConfig
+from pced.decoding.rule import RuleConfig
 from pced.server.schemas import AnswerRequest, Limits, answer_job
 
 QUESTION = "In which town was the founder of the Zorblax Company born?"
@@ -55,7 +55,7 @@ def test_one_resolution_of_the_rule(tiny_model_dir, tiny_llm, embedded_llm):
 
 @pytest.fixture(scope="module")
 def embedded_store(tmp_path_factory, embedded_llm):
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.store import IndexSettings, index_store
 
     with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
@@ -140,10 +140,10 @@ WRITTEN_ONCE = [
     ("top_k", 8, ("top_k", "top-k"), {("options.py", "AskOptions")}),
     ("top_n", 90, ("top_n", "top-n"), {("options.py", "AskOptions")}),
     ("retriever", "hybrid", ("retriever",), {("options.py", "AskOptions")}),
-    ("the paper's gamma", 2.5, ("gamma", "paper"), {("rule_config.py", "RuleConfig")}),
+    ("the paper's gamma", 2.5, ("gamma", "paper"), {("decoding/rule_config.py", "RuleConfig")}),
     ("SmolLM2's gamma", 32, ("gamma", "smollm2"), {("options.py", "MODEL_FAMILY_RULES")}),
     ("max_new_tokens", 32, ("max_new_tokens", "max-new-tokens", "max_tokens", "max-tokens"),
-     {("sampling.py", "SamplingConfig")}),
+     {("decoding/sampling.py", "SamplingConfig")}),
     ("eval seed", 42, ("seed",), {("evaluation/config.py", "EvalConfig"), ("bench/config.py", "BenchConfig")}),
     ("max_doc_tokens", 1024, ("max_doc_tokens", "max-doc-tokens"), {("store/layout.py", "IndexSettings")}),
 ]

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from pced.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
+from pced.text.prompts import ICL_TEMPLATE, RAG_TEMPLATE, PromptBuilder
 
 DOCS = [
     "Zorblax Corp was founded in 1987 by Mira Quell in the city of Vantor.",
@@ -67,7 +67,7 @@ NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
 
 def test_a_template_that_refuses_the_system_role_gets_it_folded_into_the_user_turn(embedded_tokenizer_dir):
     from pced.methods.mapreduce import map_prompt_ids
-    from pced.prompts import render_chat
+    from pced.text.prompts import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
     tokenizer.chat_template = NO_SYSTEM_TEMPLATE
@@ -78,7 +78,7 @@ def test_a_template_that_refuses_the_system_role_gets_it_folded_into_the_user_tu
 
 def test_any_other_chat_template_failure_is_not_hidden(embedded_tokenizer_dir, monkeypatch):
     from pced.methods.mapreduce import map_prompt_ids
-    from pced.prompts import render_chat
+    from pced.text.prompts import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir)
 

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from pced.decoding import Decision, Generation, PlainScoring, Rows
-from pced.repetition import LoopGuard
-from pced.sampling import SamplingConfig
+from pced.decoding.loop import Decision, Generation, PlainScoring, Rows
+from pced.decoding.repetition import LoopGuard
+from pced.decoding.sampling import SamplingConfig
 
 
 def first_loop(keys: list[str], min_span: int):
@@ -170,8 +170,8 @@ def test_on_the_tiny_model_the_guard_changes_no_answer_that_does_not_loop(tiny_l
     """The random model does not loop (its answers run to the limit without a repeat): holding
     tokens back and releasing them leaves every token and the text as they were."""
     from pced.methods.concat import PlainGeneration
-    from pced.prompts import PromptBuilder
-    from pced.repetition import key_of
+    from pced.text.prompts import PromptBuilder
+    from pced.decoding.repetition import key_of
 
     builder = PromptBuilder(tiny_llm.tokenizer)
     for question in ("Where was Mira Quell born?", "What is the capital of Elumia?", "Name three fishing towns."):
@@ -190,9 +190,9 @@ def test_the_demo_answer_that_looped_ends_after_one_copy(tmp_path_factory, embed
     from importlib import resources
 
     from pced.cli.store import DEMO_OPTIONS
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.pipeline import ask
-    from pced.repetition import key_of
+    from pced.decoding.repetition import key_of
     from pced.store import DocumentStore, IndexSettings, index_store
 
     root = tmp_path_factory.mktemp("demo") / "store"

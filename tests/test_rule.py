@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pced.rule import AMATEUR, ContrastiveRule, RuleConfig, aggregate, calibrate, js_divergence, prior_term
+from pced.decoding.rule import AMATEUR, ContrastiveRule, RuleConfig, aggregate, calibrate, js_divergence, prior_term
 
 from helpers.experts import old_prior
 

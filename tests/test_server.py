@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from pced.answers import answer_json  # noqa: E402
+from pced.text.answers import answer_json  # noqa: E402
 from pced.methods import make_generation  # noqa: E402
-from pced.rule import RuleConfig  # noqa: E402
-from pced.sampling import SamplingConfig  # noqa: E402
+from pced.decoding.rule import RuleConfig  # noqa: E402
+from pced.decoding.sampling import SamplingConfig  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
 from helpers.server import QUESTION, sse_chunks, tiny_store  # noqa: E402
 
@@ -251,9 +251,9 @@ def test_the_page_asks_what_the_cli_asks(client):
 def test_a_request_over_the_time_limit_ends_with_its_error_and_the_next_request_runs(store, monkeypatch, method):
     import time
 
-    import pced.decoding
+    import pced.decoding.loop
 
-    pick = pced.decoding.pick_token
+    pick = pced.decoding.loop.pick_token
 
     def slow_pick(*args, **kwargs):  # a slow model: 0.1 s a token (mapreduce: its map calls too)
         time.sleep(0.1)
@@ -262,7 +262,7 @@ def test_a_request_over_the_time_limit_ends_with_its_error_and_the_next_request_
     app = create_app(store, Limits(request_timeout_s=0.5))
     body = {"question": QUESTION, "top_k": 3, "max_tokens": 64, "method": method}
     with TestClient(app) as client:
-        monkeypatch.setattr("pced.decoding.pick_token", slow_pick)
+        monkeypatch.setattr("pced.decoding.loop.pick_token", slow_pick)
         started = time.monotonic()
         response = client.post("/v1/pced/answer", json=body)
         elapsed = time.monotonic() - started
@@ -278,7 +278,7 @@ def test_a_request_over_the_time_limit_ends_with_its_error_and_the_next_request_
             assert stream.status_code == 200 and sse_chunks(stream.text.splitlines())[-1]["error"]["code"] == "timeout"
         else:  # the map calls ran into the limit before the first token: still a status code
             assert stream.status_code == 504 and stream.json()["error"]["code"] == "timeout"
-        monkeypatch.setattr("pced.decoding.pick_token", pick)
+        monkeypatch.setattr("pced.decoding.loop.pick_token", pick)
         after = client.post("/v1/pced/answer", json={**body, "method": "pced", "max_tokens": 2})
         assert after.status_code == 200 and len(after.json()["trace"]) == 2
         assert client.get("/health").json()["timed_out"] == 2

@@ -13,7 +13,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 import httpx  # noqa: E402
 
 from pced.options import METHODS, AskOptions  # noqa: E402
-from pced.sampling import SamplingConfig  # noqa: E402
+from pced.decoding.sampling import SamplingConfig  # noqa: E402
 from pced.server import create_app  # noqa: E402
 from helpers.server import QUESTION, live_server, tiny_store  # noqa: E402
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pced.corpus import read_corpus
-from pced.sampling import SamplingConfig
+from pced.corpus.reader import read_corpus
+from pced.decoding.sampling import SamplingConfig
 from pced.documents import Document
 from pced.store import DocumentStore, IndexSettings, StoreError, index_store
 

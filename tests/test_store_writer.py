@@ -2,7 +2,7 @@
 
 import pytest
 
-from pced.corpus import CorpusError, read_corpus
+from pced.corpus.reader import CorpusError, read_corpus
 from pced.documents import Document
 from pced.store import IndexSettings, StoreError, index_store
 

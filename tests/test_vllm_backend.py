@@ -24,7 +24,7 @@ COMPARE = Path(__file__).parent / "helpers" / "vllm_compare.py"
 @pytest.fixture(scope="module")
 def demo_stores(tmp_path_factory, embedded_llm):
     """The demo corpus indexed once per storage dtype (documents' KV caches written by transformers)."""
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.store import IndexSettings, index_store
 
     questions = [q["question"] for q in json.loads((resources.files("pced") / "data" / "demo_questions.json").read_text())]
@@ -49,7 +49,7 @@ def tiny_store(tmp_path_factory, embedded_tokenizer_dir):
     tiny model's are 16)."""
     from helpers.tiny_llama import save_tiny_llama
 
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.llm import load_model
     from pced.store import IndexSettings, index_store
 

@@ -17,9 +17,9 @@ from pced.backends.vllm.groups import GroupMember, GroupTable, Row, apply_groups
 from pced.backends.vllm.processor import PCEDLogitsProcessor, check_params, processor_class
 from pced.kv.encode import encode_documents, encode_prefix
 from pced.methods.pced import Expert, PCEDGeneration
-from pced.prompts import PromptBuilder
-from pced.rule import AMATEUR, ContrastiveRule, RuleConfig
-from pced.sampling import SamplingConfig
+from pced.text.prompts import PromptBuilder
+from pced.decoding.rule import AMATEUR, ContrastiveRule, RuleConfig
+from pced.decoding.sampling import SamplingConfig
 
 RULE = RuleConfig(beta="dynamic", gamma=2.5)
 RELEVANCE = (0.9, 0.6, 0.3)

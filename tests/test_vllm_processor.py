@@ -13,7 +13,7 @@ from helpers.host_reads import HostReads
 from pced.backends.vllm import channel
 from pced.backends.vllm.groups import GroupMember
 from pced.backends.vllm.processor import PCEDLogitsProcessor, PCEDLogitsProcessorV2, processor_class
-from pced.rule import ContrastiveRule, RuleConfig
+from pced.decoding.rule import ContrastiveRule, RuleConfig
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 RULE = RuleConfig(beta="dynamic", gamma=2.5)

@@ -27,7 +27,7 @@ ASK = {"top_k": 4, "top_n": 30, "rerank": False, "max_tokens": 16}
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, embedded_llm):
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.store import IndexSettings, index_store
 
     root = tmp_path_factory.mktemp("vllm-replicas") / "store"

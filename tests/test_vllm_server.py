@@ -29,7 +29,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, embedded_llm):
-    from pced.corpus import read_corpus
+    from pced.corpus.reader import read_corpus
     from pced.store import IndexSettings, index_store
 
     root = tmp_path_factory.mktemp("vllm-serve") / "store"
@@ -57,7 +57,7 @@ def server(store_dir, tmp_path_factory):
 
 def reference(store_dir, question: str, method: str = "pced") -> str:
     """The transformers backend's answer, in this process."""
-    from pced.sampling import SamplingConfig
+    from pced.decoding.sampling import SamplingConfig
     from pced.options import AskOptions
     from pced.pipeline import ask
     from pced.store import DocumentStore

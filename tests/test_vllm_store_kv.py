@@ -10,7 +10,7 @@ from pced.backends.vllm.kv_layout import prompt_rows, rank_heads, slots_of
 from pced.backends.vllm.store_kv import PARAMS_KEY, StoreSpec, group_params, ids_digest
 from pced.documents import Candidate, Document
 from pced.kv.store import KVStore
-from pced.prompts import RAG_TEMPLATE, PromptBuilder
+from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
 DOCS = ["Mira Quell painted the harbor of Elumia in 1887, the year the lighthouse burned.",
         "The grey heron is the national bird of Elumia; its feathers are on the flag."]

@@ -2,7 +2,7 @@
 
 A backend runs a question's rows: it loads a model, encodes a document into a cache of its own
 kind (kept in a directory of a store or of the request cache), and opens rows for a question
-that the one decoding loop (``pced.decoding``) drives with the one rule. Each backend is a package
+that the one decoding loop (``pced.decoding.loop``) drives with the one rule. Each backend is a package
 under ``pced.backends`` with one ``Backend`` subclass, and one line in ``REGISTRY``; a backend that
 lives in another distribution registers the same line as an entry point in the ``pced.backends``
 group (``name = "package.module:Class"``), or calls ``register_backend`` at import.
@@ -199,7 +199,7 @@ class Backend:
 
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
         """The loop's ``Scoring`` for PCED over ``rows``: the contrastive rule on their logits."""
-        from .decoding import ContrastiveScoring
+        from .decoding.loop import ContrastiveScoring
 
         return ContrastiveScoring(rule, [c.document.id for c in candidates], [c.relevance for c in candidates])
 

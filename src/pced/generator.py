@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from .answers import Answer
+from .text.answers import Answer
 from .backend import DEFAULT_BACKEND, Backend, get_backend
 from .documents import Candidate
 from .kv.tiers import CacheTiers
 from .methods.pced import PCEDGeneration, pced_generation
 from .options import DEFAULT_STORAGE_DTYPE
-from .prompts import TEMPLATES, PromptBuilder, Template
-from .rule import RuleConfig
-from .sampling import SamplingConfig
+from .text.prompts import TEMPLATES, PromptBuilder, Template
+from .decoding.rule import RuleConfig
+from .decoding.sampling import SamplingConfig
 
 
 class Generator:

@@ -3,7 +3,7 @@
 
 ``pced ask`` / ``generate`` / ``demo``, the server's request schema and the page, ``pced eval`` and
 ``pced bench`` derive their defaults from the dataclasses, and nothing else restates a number: the
-paper's rule is ``RuleConfig()`` (``pced.rule``), sampling is ``SamplingConfig()``, a store's
+paper's rule is ``RuleConfig()`` (``pced.decoding.rule``), sampling is ``SamplingConfig()``, a store's
 settings ``IndexSettings()`` (``pced.store.layout``), an evaluation's ``EvalConfig``.
 
 A rule setting left None is resolved for the model that answers (``resolve_rule``): the paper's
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from .backend import DEFAULT_BACKEND, get_backend
 from .errors import UserError
-from .rule_config import Beta, RuleConfig
-from .sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
+from .decoding.rule_config import Beta, RuleConfig
+from .decoding.sampling import MAX_NEW_TOKENS, TEMPERATURE, SamplingConfig, is_int, is_number
 
 EMBEDDED = "embedded"  # the --model setting (and store setting) of the embedded default model
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from .answers import Answer, Step, answer_json
+from .text.answers import Answer, Step, answer_json
 from .backend import get_backend
-from .decoding import Generation
+from .decoding.loop import Generation
 from .documents import Candidate
 from .errors import UserError
 from .methods import start

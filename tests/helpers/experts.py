@@ -8,7 +8,7 @@ import torch
 def encode_setup(llm, docs):
     """(llm, builder, prefix cache, [document cache]) for ``docs`` under the RAG template."""
     from pced.kv.encode import encode_documents, encode_prefix
-    from pced.prompts import PromptBuilder
+    from pced.text.prompts import PromptBuilder
 
     builder = PromptBuilder(llm.tokenizer)
     prefix = encode_prefix(llm, builder.prefix_ids)

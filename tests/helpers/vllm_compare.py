@@ -32,7 +32,7 @@ def main() -> None:
     from pced.backends.vllm.settings import VLLMSettings
     from pced.options import AskOptions
     from pced.pipeline import ask
-    from pced.sampling import SamplingConfig
+    from pced.decoding.sampling import SamplingConfig
     from pced.store import DocumentStore
 
     store_dir, questions_file, settings_json = sys.argv[1:4]

@@ -26,7 +26,7 @@ def main() -> None:
     from pced.documents import Candidate, Document
     from pced.kv.store import KVStore
     from pced.llm import load_model
-    from pced.prompts import RAG_TEMPLATE, PromptBuilder
+    from pced.text.prompts import RAG_TEMPLATE, PromptBuilder
 
     llm = load_model(model_dir, device="cpu", dtype="float32")
     store = KVStore(store_dir, llm, PromptBuilder(llm.tokenizer, RAG_TEMPLATE), storage_dtype=dtype)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..decoding import Rows
+from ..decoding.loop import Rows
 from ..errors import UserError
 from ..kv.attention import ROW_LAYOUT, use_pced_attention
 from ..kv.buffer import BufferCache, decode_one_token, forward_slots

@@ -33,7 +33,7 @@ from ..generator import Generator
 from ..llm import LoadedModel
 from ..options import AskOptions
 from ..pipeline import ask_candidates
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from .backends_report import markdown_report, plot
 from .config import BenchConfig
 from .floors import decode_work

@@ -42,7 +42,7 @@ from ..kv.format import VERIFIED
 from ..llm import LoadedModel
 from ..options import AskOptions
 from ..pipeline import ask_candidates
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from .config import BenchConfig
 from .floors import RowSpan
 from .report import FLOORS_NOTE

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("PCED_API_KEY"))
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--questions", type=int, default=5, help="questions per client, asked one after another")
-    from ..sampling import SamplingConfig
+    from ..decoding.sampling import SamplingConfig
 
     parser.add_argument("--max-tokens", type=int, default=SamplingConfig.max_new_tokens)
     parser.add_argument("--top-k", type=int, default=4)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from .config import BenchConfig
 from .report import markdown_report, plot
 from ..documents import Candidate, Document
@@ -31,7 +31,7 @@ from ..kv.tiers import CacheTiers
 from ..llm import LoadedModel
 from ..options import AskOptions
 from ..pipeline import ask_candidates
-from ..prompts import RAG_TEMPLATE
+from ..text.prompts import RAG_TEMPLATE
 
 
 RESIDENT_GB = 1024.0  # "keep everything": the bench's documents always fit a device that can run them

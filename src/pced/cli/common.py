@@ -7,11 +7,11 @@ import argparse
 import sys
 
 from ..errors import UserError
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from ..kv.tier_settings import CacheTiers
 from ..backend import get_backend
 from ..options import METHODS, PAPER_RULE, RETRIEVERS, AskOptions, family_defaults
-from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
+from ..decoding.rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES, RuleConfig
 
 SAMPLING = SamplingConfig()
 TIERS = CacheTiers()

@@ -10,7 +10,7 @@ import argparse
 import logging
 import math
 
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from ..evaluation.config import EvalConfig
 from ..options import METHODS, RETRIEVERS, STORAGE_DTYPES
 
@@ -122,7 +122,7 @@ def config_from(args: argparse.Namespace):
     """EvalConfig from the command line; every value checked, nothing loaded."""
     from ..evaluation.config import EvalConfig
     from ..options import METHODS
-    from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+    from ..decoding.rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 
     if args.setting not in (None, "distractor", "corpus"):
         raise InputError(f"--setting: {args.setting!r} is not one of distractor, corpus")

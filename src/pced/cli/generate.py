@@ -35,7 +35,7 @@ def add_generate_parser(sub) -> None:
 
 def read_scored_documents(path: Path):
     """DOCS.jsonl for ``pced generate``: one {"id", "text", "score"?, "title"?} per line."""
-    from ..corpus import jsonl_records
+    from ..corpus.reader import jsonl_records
     from ..documents import Candidate, Document
 
     if not path.is_file():
@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..generator import Generator
     from ..kv.budget import gb_to_bytes
     from ..pipeline import ask_candidates
-    from ..prompts import TEMPLATES
+    from ..text.prompts import TEMPLATES
     from ..store import IndexSettings
 
     backend, settings = get_backend(options.backend), options.backend_settings

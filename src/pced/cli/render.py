@@ -11,8 +11,8 @@ from typing import Sequence
 from rich.console import Console
 from rich.text import Text
 
-from ..answers import Answer
-from ..citations import Citation, cite_answer, sources
+from ..text.answers import Answer
+from ..text.citations import Citation, cite_answer, sources
 from .terminal import count, printable
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta", "bright_green"]

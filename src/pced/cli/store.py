@@ -10,7 +10,7 @@ import sys
 from importlib import resources
 
 from ..backend import all_backends
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES, AskOptions, check_question
 from .common import (InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options,
                      ask_options_from, backend_settings_from, open_store, say)
@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from ..corpus import read_corpus
+    from ..corpus.reader import read_corpus
     from ..store import IndexSettings, index_store
 
     logging.basicConfig(level=logging.WARNING, format="pced: %(message)s")
@@ -174,7 +174,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from .. import __version__
-    from ..corpus import read_corpus
+    from ..corpus.reader import read_corpus
     from ..llm import cache_root
     from ..pipeline import ask
     from .render import stream_answer

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..answers import Answer
+from ..text.answers import Answer
 
 
 def save_trace_png(answer: Answer, candidates: Sequence, path: str | Path, title: str = "") -> Path:

@@ -8,11 +8,11 @@ from itertools import product
 from typing import Sequence
 
 from pced.errors import UserError
-from pced.sampling import SamplingConfig
+from pced.decoding.sampling import SamplingConfig
 from pced.kv.tier_settings import CacheTiers
 from pced.backend import DEFAULT_BACKEND, get_backend
 from pced.options import DEFAULT_STORAGE_DTYPE, RETRIEVERS, AskOptions
-from pced.rule_config import Beta, RuleConfig
+from pced.decoding.rule_config import Beta, RuleConfig
 from pced.store.layout import IndexSettings
 
 class EvalError(UserError):

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pced.corpus_formats import content_doc_id  # one id rule for pced eval and pced index
+from pced.corpus.formats import content_doc_id  # one id rule for pced eval and pced index
 from pced.documents import Document
 from pced.evaluation.loft import load_loft_dir
 from pced.evaluation.longbench import load_longbench

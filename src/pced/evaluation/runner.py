@@ -165,7 +165,7 @@ def _compute(config: EvalConfig, dataset: Dataset, todo: list, results: Path, ll
     """Answer every (example, config) pair of ``todo``, appending each record as it finishes."""
     from tqdm.auto import tqdm
 
-    from pced.sampling import SamplingConfig
+    from pced.decoding.sampling import SamplingConfig
 
     total = sum(len(runs) for _, runs in todo)
     print(f"pced: {total} answers to compute ({len(todo)} examples; {n_done} already in {results})", flush=True)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from ..fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
 from ..llm import LoadedModel
 from ..options import DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
-from ..prompts import PromptBuilder
+from ..text.prompts import PromptBuilder
 from .budget import CacheUse
 from .encode import encode_documents, encode_prefix
 from .format import FORMAT_VERSION, CacheError, check_cache_file, content_hash, tensor_checksum

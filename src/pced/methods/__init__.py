@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from ..decoding import Generation
+from ..decoding.loop import Generation
 from ..documents import Candidate
 from ..options import AskOptions, check_method
-from ..rule import RuleConfig
-from ..sampling import SamplingConfig
+from ..decoding.rule import RuleConfig
+from ..decoding.sampling import SamplingConfig
 
 __all__ = ["BUILDERS", "check_method", "make_generation", "start"]
 

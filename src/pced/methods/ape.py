@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import DataError
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from ..backends.ape_attention import APERows, DocumentCache
-from ..decoding import Generation, PlainScoring
+from ..decoding.loop import Generation, PlainScoring
 from ..kv.segment import DocKV
 from ..kv.store import KVStore
 from ..llm import LoadedModel

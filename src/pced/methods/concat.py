@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 from ..backends.rows import PlainRows
-from ..decoding import Generation, PlainScoring
+from ..decoding.loop import Generation, PlainScoring
 from ..llm import LoadedModel
 
 

@@ -30,13 +30,13 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import UserError
-from ..sampling import SamplingConfig
-from ..answers import Step
+from ..decoding.sampling import SamplingConfig
+from ..text.answers import Step
 from ..backends.rows import PlainRows
-from ..decoding import Generation, PlainScoring, Rows
+from ..decoding.loop import Generation, PlainScoring, Rows
 from ..llm import LoadedModel
 from ..options import AskOptions
-from ..prompts import PromptBuilder, render_chat
+from ..text.prompts import PromptBuilder, render_chat
 from .concat import PlainGeneration
 
 MAP_INSTRUCTION = "Summarize the given documents concisely, focusing on the key points and main ideas."

@@ -7,15 +7,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..answers import Answer
-from ..sampling import SamplingConfig
+from ..text.answers import Answer
+from ..decoding.sampling import SamplingConfig
 from ..backends.rows import ExpertRows
-from ..decoding import ContrastiveScoring, Generation, Rows, Scoring
+from ..decoding.loop import ContrastiveScoring, Generation, Rows, Scoring
 from ..documents import Candidate
 from ..options import resolve_rule
 from ..kv.segment import DocKV
 from ..llm import LoadedModel
-from ..rule import RuleConfig
+from ..decoding.rule import RuleConfig
 from .follow import Follow
 
 

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..decoding import TimeLimitError
+from ..decoding.loop import TimeLimitError
 from ..errors import UserError
 from ..options import AskOptions
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from ..options import MAX_QUESTION_CHARS, MAX_TOP_K, MAX_TOP_N, GivenDocuments
-from ..sampling import SamplingConfig
+from ..decoding.sampling import SamplingConfig
 
 SAMPLING = SamplingConfig()
 

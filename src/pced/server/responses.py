@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 
-from ..answers import answer_json, experts_json
+from ..text.answers import answer_json, experts_json
 from .worker import Finished, Started
 
 

@@ -16,11 +16,11 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import UserError
-from ..sampling import MIN_TOP_P, TEMPERATURE, SamplingConfig
+from ..decoding.sampling import MIN_TOP_P, TEMPERATURE, SamplingConfig
 from ..documents import Candidate, Document
 from ..options import (METHODS, RETRIEVERS, AskOptions, QuestionError,
                        check_question, check_text)
-from ..rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
+from ..decoding.rule_config import AGGREGATIONS, BETA_MODES, PRIORS, SCORE_SPACES
 from .limits import Limits
 
 SAMPLING = SamplingConfig()

@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..answers import Answer
-from ..decoding import Deadline, TimeLimitError
+from ..text.answers import Answer
+from ..decoding.loop import Deadline, TimeLimitError
 from ..documents import Candidate
 from ..errors import DataError, UserError
 from ..pipeline import ask, ask_candidates
@@ -120,7 +120,7 @@ class Worker:
             from ..generator import Generator
             from ..kv.budget import gb_to_bytes
 
-            from ..prompts import TEMPLATES
+            from ..text.prompts import TEMPLATES
 
             llm = self.store.model_for(backend, settings)  # the store's model, never its caches
             template, dtype = TEMPLATES[self.store.settings.template], self.store.settings.storage_dtype

@@ -188,7 +188,7 @@ def prompt_builder(store):
     from transformers import AutoTokenizer
 
     from ..llm import embedded_model_dir
-    from ..prompts import TEMPLATES, PromptBuilder
+    from ..text.prompts import TEMPLATES, PromptBuilder
 
     path = store.settings.model_path
     folder = embedded_model_dir() if path is None else Path(path).expanduser()

@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ..options import STORAGE_DTYPES
-from ..prompts import TEMPLATES
+from ..text.prompts import TEMPLATES
 from .layout import FORMAT, IndexSettings, StoreError
 
 MODEL_FIELDS = ("name", "fingerprint", "tokenizer_hash")  # what opening a store compares with the model

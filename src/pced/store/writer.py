@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..backend import DEFAULT_BACKEND, get_backend
-from ..corpus import CHUNK_ID, chunk_corpus
+from ..corpus.reader import CHUNK_ID, chunk_corpus
 from ..documents import Document
 from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...decoding import Rows
+from ...decoding.loop import Rows
 from ...errors import UserError
 from .model import LlamaModel
 from .states import SeqState, restore_expert, restore_prefix

@@ -38,7 +38,7 @@ import torch
 from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
 from ...kv.budget import CacheUse
 from ...kv.format import CacheError, content_hash, mmap_safetensors, tensor_checksum
-from ...prompts import PromptBuilder
+from ...text.prompts import PromptBuilder
 from . import cells as state_cells
 from .model import LlamaContext, LlamaModel
 

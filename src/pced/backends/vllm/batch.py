@@ -7,7 +7,7 @@ experts present, whether the amateur is) are one batched computation over ``[G, 
 server every question has the same rule and, whole, the same number of documents, so a step is
 one computation whatever the number of groups.
 
-The arithmetic is ``pced.rule``'s, operation for operation, with a leading group dimension: a
+The arithmetic is ``pced.decoding.rule``'s, operation for operation, with a leading group dimension: a
 group's row of the batch is computed exactly as ``ContrastiveRule.choose`` computes it alone (the
 reductions run over the same rows and the same axis), which ``tests/test_vllm_groups.py`` checks
 for every rule setting. A degraded job (members missing) runs the rule over the experts present with
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rule import AMATEUR, BETA_MODES, learned_beta, to_score_space
+from ...decoding.rule import AMATEUR, BETA_MODES, learned_beta, to_score_space
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from ...rule import AMATEUR
+from ...decoding.rule import AMATEUR
 
 UNKNOWN = -1.0  # an expert's carrier before the betas are frozen (a JSD, a clamp to [0, 1] or a fixed beta is >= 0)
 LOST = math.inf  # every row of a group whose state the engine no longer has (never expected; the question fails)

@@ -38,12 +38,12 @@ from typing import Sequence
 import torch
 
 from ...errors import UserError
-from ...sampling import SamplingConfig
-from ...decoding import Decision, Rows
+from ...decoding.sampling import SamplingConfig
+from ...decoding.loop import Decision, Rows
 from ...documents import Candidate
 from .settings import VLLMSettings
-from ...prompts import PromptBuilder
-from ...rule import AMATEUR, RuleConfig
+from ...text.prompts import PromptBuilder
+from ...decoding.rule import AMATEUR, RuleConfig
 from . import channel
 from .cpu import bind_threads
 from .groups import GroupMember

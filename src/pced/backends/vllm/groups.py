@@ -34,7 +34,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from ...rule import BETA_MODES, RuleConfig, prior_term
+from ...decoding.rule import BETA_MODES, RuleConfig, prior_term
 from . import channel
 from .batch import Job, decide
 

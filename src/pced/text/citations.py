@@ -106,7 +106,7 @@ def cite(text: str, pieces: Sequence[tuple[str, str | None]], rule: CitationRule
 
 
 def cite_answer(answer, rule: CitationRule = CitationRule()) -> list[Citation]:
-    """Citations of a ``pced.answers.Answer`` from its trace."""
+    """Citations of a ``pced.text.answers.Answer`` from its trace."""
     return cite(answer.text, [(step.text, step.doc_id) for step in answer.trace], rule)
 
 

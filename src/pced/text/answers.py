@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .citations import CitationRule, cite_answer
-from .documents import Candidate
+from ..documents import Candidate
 
 
 @dataclass
@@ -45,7 +45,7 @@ def experts_json(candidates: Sequence[Candidate]) -> list[dict]:
 def answer_json(answer: Answer, candidates: Sequence[Candidate], retrieval_s: float = 0.0,
                 citation_rule: CitationRule = CitationRule()) -> dict:
     """The ``pced ask --json`` contract (docs/reference.md, "The JSON answer"), ``citations`` included: one per sentence of the
-    answer, ``{"start", "end", "text", "doc_ids"}`` (``pced.citations``)."""
+    answer, ``{"start", "end", "text", "doc_ids"}`` (``pced.text.citations``)."""
     timings = {"retrieval_s": retrieval_s, "cache_load_s": 0.0, "ttft_s": 0.0, "total_s": 0.0}
     timings.update(answer.timings)
     return {

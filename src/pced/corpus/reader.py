@@ -1,6 +1,6 @@
 """Reading a corpus for ``pced index``: validation with line numbers, and chunking of long documents.
 
-Accepted files: the shapes of ``pced.corpus_formats`` (JSON Lines or one JSON document; pced's
+Accepted files: the shapes of ``pced.corpus.formats`` (JSON Lines or one JSON document; pced's
 ``{"id", "text", "title"?}``, LOFT, HotpotQA, MuSiQue and NQ shapes), chosen by content.
 Structural problems (invalid JSON, a missing field, a duplicate id) stop indexing before the
 store is touched. Empty documents are skipped with a warning. A document longer than
@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .documents import Document
-from .errors import UserError
+from ..documents import Document
+from ..errors import UserError
 
 log = logging.getLogger("pced.corpus")
 CHUNK_MARK = "#chunk-"
@@ -51,8 +51,8 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, str, object]]:
 
 
 def read_corpus(path: str | Path) -> list[Document]:
-    """The documents of a corpus file in any shape of ``pced.corpus_formats`` (chosen by content)."""
-    from .corpus_formats import FormatError, read_documents
+    """The documents of a corpus file in any shape of ``pced.corpus.formats`` (chosen by content)."""
+    from .formats import FormatError, read_documents
 
     path = Path(path)
     if not path.is_file():

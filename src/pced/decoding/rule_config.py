@@ -1,5 +1,5 @@
 """The rule's settings (``RuleConfig``, the paper's defaults written once) and the names and ranges
-they take, apart from the rule itself (``pced.rule``, which computes with torch): the command line,
+they take, apart from the rule itself (``pced.decoding.rule``, which computes with torch): the command line,
 the server's schemas and ``AskOptions`` read these without loading torch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from .errors import UserError
+from ..errors import UserError
 
 R_MIN, R_MAX = 1e-8, 1.0 - 1e-8
 AMATEUR = -1

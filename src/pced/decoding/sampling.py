@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 # Ranges of the sampling settings. A temperature near 0 divides the scores into infinities, and
 # below 0.01 it is greedy decoding in all but name (use 0); top_p below 0.01 keeps the best token alone.
@@ -29,7 +29,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens (the loop guard is off too)
     no_repeat_ngram: int = 0  # n > 0: never complete an n-gram the answer already holds (0 = off)
-    # The loop guard (pced.repetition): the answer ends where a span of loop_span tokens or more follows
+    # The loop guard (pced.decoding.repetition): the answer ends where a span of loop_span tokens or more follows
     # itself, or a span of 2 or more comes three times in a row, keeping one copy (0 = off). On every
     # answer stored in docs/results (6,728), 6 cut 72 loops and changed no score; 5 and below cut a
     # short phrase the model repeats once before the answer, costing 9 correct answers.

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
-# the settings, read by everything that configures the rule (re-exported: pced.rule.RuleConfig)
+from ..errors import UserError
+# the settings, read by everything that configures the rule (re-exported: pced.decoding.rule.RuleConfig)
 from .rule_config import (AGGREGATIONS, AMATEUR, BETA_MODES, MAX_BETA, MAX_GAMMA, PRIORS, R_MAX, R_MIN,  # noqa: F401
                           SCORE_SPACES, SPREAD_FLOOR, Beta, RuleConfig)
 

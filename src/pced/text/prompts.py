@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from .errors import UserError
+from ..errors import UserError
 
 CONTEXT_SEPARATOR = "\n\n"
 _DOC_SENTINEL = "\u2063PCED-CONTEXT\u2063"

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .documents import Document
+from ..documents import Document
 
 RECORD_SHAPES = {
     "pced": '{"id", "text", "title"?}',

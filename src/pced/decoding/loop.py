@@ -10,7 +10,7 @@ The loop knows two narrow things, both protocols here, so that methods and backe
   rule (``ContrastiveScoring``) or plain next-token scores of one row (``PlainScoring``).
 
 Everything else, sampling, stop strings, EOS (and ``ignore_eos``), the logits processors (the
-no-repeat n-gram ban), the loop guard (``pced.repetition``), detokenization, the trace, timings,
+no-repeat n-gram ban), the loop guard (``pced.decoding.repetition``), detokenization, the trace, timings,
 is done here once, for every method.
 Each step runs on the logits' device and reads back one small tensor (token, winner, finiteness,
 support): one device-to-host transfer per token.
@@ -23,10 +23,10 @@ from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
-from .answers import Answer, Step
-from .errors import DataError, PcedError
+from ..text.answers import Answer, Step
+from ..errors import DataError, PcedError
 from .sampling import SamplingConfig
-from .detokenize import TextTracker
+from ..text.detokenize import TextTracker
 from .repetition import LoopGuard, key_of
 from .rule import AMATEUR, ContrastiveRule, RuleConfig
 

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from ...kv.format import check_cache_file
 from ...kv.segment import DocKV
-from .kv_layout import prompt_rows, rank_heads, slots_of
+from .kv_layout import check_writer_rows, prompt_rows, rank_heads, slots_of
 from .store_kv import SUPPLIED_KEY, StoreSpec
 
 log = logging.getLogger("pced.vllm")
@@ -162,8 +162,9 @@ class PCEDStoreConnector(KVConnectorBase_V1):
             keys = torch.cat([k for k, _ in rows]) if len(rows) > 1 else rows[0][0]
             values = torch.cat([v for _, v in rows]) if len(rows) > 1 else rows[0][1]
             device = layer.kv_cache.device
-            layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache,
-                                          slots.to(device))
+            keys, values = keys.to(device), values.to(device)
+            check_writer_rows(keys, values, len(slots), layer.impl.num_kv_heads, layer.impl.head_size)
+            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots.to(device))
 
     def _check(self, segments: list[DocKV], load: StoreLoad) -> None:
         prefix = segments[0]

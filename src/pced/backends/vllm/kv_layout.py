@@ -57,7 +57,27 @@ def segment_rows(kv: DocKV, layer: int, heads: slice, start: int, end: int,
     if kv.quantized:
         keys = keys.to(torch.float32) * kv.key_scale[layer, heads]
         values = values.to(torch.float32) * kv.value_scale[layer, heads, start:end]
-    return keys.transpose(0, 1).to(dtype), values.transpose(0, 1).to(dtype)
+    return token_major(keys, dtype), token_major(values, dtype)
+
+
+def token_major(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[heads, tokens, head_dim]`` as a contiguous ``[tokens, heads, head_dim]`` in ``dtype`` (one copy).
+    A transposed view will not do: the CUDA writers read a row's heads as contiguous (``check_writer_rows``)."""
+    out = torch.empty((rows.shape[1], rows.shape[0], rows.shape[2]), dtype=dtype, device=rows.device)
+    return out.copy_(rows.transpose(0, 1))
+
+
+def check_writer_rows(keys: torch.Tensor, values: torch.Tensor, tokens: int, heads: int, head_dim: int) -> None:
+    """Refuse rows a CUDA writer would misread. ``reshape_and_cache_flash`` reads only ``key.stride(0)``
+    and takes a row's heads as contiguous (vLLM 0.32 ``csrc/cache_kernels.cu:871-872``, ``:348``,
+    ``:384``; the Triton writer likewise: ``v1/attention/ops/triton_reshape_and_cache_flash.py:72``,
+    ``:106-108``): a ``[tokens, heads, head_dim]`` view of ``[heads, tokens, head_dim]`` memory would
+    hand heads 1..H-1 another token's values, silently."""
+    for name, rows in (("keys", keys), ("values", values)):
+        if tuple(rows.shape) != (tokens, heads, head_dim) or not rows.is_contiguous():
+            raise RuntimeError(f"pced store connector: {name} for the KV writer must be a contiguous "
+                               f"[{tokens}, {heads}, {head_dim}] tensor, got shape {tuple(rows.shape)} "
+                               f"strides {rows.stride()}")
 
 
 def prompt_rows(segments: list[DocKV], layer: int, heads: slice, start: int, end: int,

@@ -15,11 +15,21 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# Fixtures whose value transformers builds (a model, a tokenizer): a test that asks for one, directly or
+# through another fixture, depends on transformers' API.
+TRANSFORMERS_FIXTURES = {"embedded_tokenizer_dir", "tiny_model_dir", "tiny_llm", "embedded_llm"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that asks for the embedded model is in the slow lane whether or not it says so."""
+    """A test that asks for the embedded model is in the slow lane whether or not it says so; a test that
+    asks for a model or tokenizer transformers builds is marked ``transformers_api`` (the lanes on both
+    ends of the transformers range run those: ``.ci/run``)."""
     for item in items:
-        if "embedded_llm" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "embedded_llm" in fixtures and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+        if fixtures & TRANSFORMERS_FIXTURES and item.get_closest_marker("transformers_api") is None:
+            item.add_marker(pytest.mark.transformers_api)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,8 @@ from pced.text.prompts import PromptBuilder
 
 from helpers.experts import encode_setup
 
+pytestmark = pytest.mark.transformers_api  # models and attention transformers builds
+
 QUESTION = "Which town was the founder born in?"
 DOCS = [
     "Mira Quell founded the Zorblax company.",

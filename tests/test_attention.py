@@ -21,6 +21,8 @@ from pced.decoding.sampling import SamplingConfig
 
 from helpers.experts import encode_setup
 
+pytestmark = pytest.mark.transformers_api  # models and attention transformers builds
+
 FP32_TOLERANCE = 2e-5  # float32 attention against a float64 reference, and two float32 kernels
 QUESTION = "Which town was the founder born in?"
 DOCS = ["Mira Quell founded the Zorblax company.",

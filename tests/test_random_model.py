@@ -1,9 +1,12 @@
 """A random model is built in its target dtype: no float32 copy of its weights is ever allocated."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pced.bench.random_model import random_model
+
+pytestmark = pytest.mark.transformers_api  # models and attention transformers builds
 
 
 class Float32Bytes(TorchDispatchMode):

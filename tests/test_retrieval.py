@@ -30,6 +30,8 @@ from pced.retrieval import (  # noqa: E402
 )
 from pced.retrieval.storage import atomic_path, model_fingerprint, save_array  # noqa: E402
 
+pytestmark = pytest.mark.transformers_api  # models and attention transformers builds
+
 CORPUS = [
     Document("volcano", "Mount Etna is an active volcano on the east coast of Sicily, erupting lava "
              "and ash several times a year.", "Mount Etna"),

@@ -35,6 +35,8 @@ from pced.retrieval import (  # noqa: E402
 )
 from pced.retrieval.bge_m3 import colbert_score, lexical_score  # noqa: E402
 
+pytestmark = pytest.mark.transformers_api  # models and attention transformers builds
+
 DOCS = [
     Document("d0", "dogs run fast"),
     Document("d1", "the cat runs home"),

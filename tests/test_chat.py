@@ -109,6 +109,24 @@ def test_chat_echoes_what_was_typed_once(store, monkeypatch, capsys):
     assert f'history on: the next question follows up on "{FOLLOW_UP}"' in out
 
 
+def test_chat_shows_typed_control_characters_literally(store, monkeypatch, capsys):
+    """Whatever chat says back about a line (an unknown command, a refused value, the settings, an
+    error from asking) shows its escape bytes and bidirectional overrides as text, never sends them."""
+    script = ("/\x1b[31mfoo\n/\u202emethod pced\n/method \x1b]0;owned\x07\n/top-k \x1b[2J\n/history \x1b[5m\n"
+              "/retriever sparse\x1b[0m\n/settings\n\u202e" + "x" * 100_000 + "\x1b[31m?\n"
+              "/max-new-tokens 2\n\u202eWho founded the Zorblax Company?\x1b[31m\n/quit\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    assert main(["chat", str(store)]) == 0
+    captured = capsys.readouterr()
+    for shown in (captured.out, captured.err):
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+    errors = captured.err.splitlines()
+    assert errors[0] == "pced: error: unknown command /\\x1b[31mfoo; /help lists them"
+    assert errors[1] == "pced: error: unknown command /\\u202emethod; /help lists them"
+    assert len(errors) == 7 and all(line.startswith("pced: error: ") for line in errors), errors
+    assert "Q: \\u202eWho founded the Zorblax Company?\\x1b[31m\n" in captured.out
+
+
 def test_counts_take_the_noun_in_the_number_they_need():
     assert [count(n, "document") for n in (0, 1, 2)] == ["0 documents", "1 document", "2 documents"]
     assert count(1, "entry", "entries") == "1 entry" and count(1200, "entry", "entries") == "1,200 entries"

@@ -54,6 +54,39 @@ def test_threads_before_the_subcommand_configures_torch(tmp_path, capsys):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("argv", [
+    ["--threads", "{n}", "ask", "{missing}", "q?"], ["ask", "{missing}", "q?", "--threads", "{n}"],
+    ["--threads", "{n}", "serve", "{missing}"], ["serve", "{missing}", "--threads", "{n}"],
+    ["chat", "{missing}", "--threads", "{n}"], ["index", "{missing}", "--out", "{missing}", "--threads", "{n}"],
+    ["--threads", "{n}", "store", "list", "{missing}"], ["verify", "{missing}", "--threads", "{n}"],
+    ["eval", "--dataset", "{missing}", "--threads", "{n}"], ["generate", "--docs", "{missing}", "--question", "q?",
+                                                             "--threads", "{n}"],
+])
+def test_threads_above_what_the_machine_can_run_are_one_line_for_every_command(argv, tmp_path, capsys):
+    from pced.backends.threads import THREADS_PER_CPU, max_threads
+
+    before = torch.get_num_threads()
+    try:
+        for n in (max_threads() + 1, 1_000_000):
+            assert main([a.format(n=n, missing=tmp_path / "missing") for a in argv]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert err == [f"pced: error: --threads must be at most {max_threads()} ({THREADS_PER_CPU} for each of this "
+                           f"machine's {max_threads() // THREADS_PER_CPU} CPUs), got {n}"]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_most_threads_is_accepted_and_the_llamacpp_setting_has_the_same_bound():
+    from pced.backends.llamacpp.settings import LlamaSettings
+    from pced.backends.threads import max_threads
+    from pced.cli.threads import check_threads
+    from pced.errors import UserError
+
+    assert check_threads(max_threads()) == max_threads() and LlamaSettings(threads=max_threads()).threads == max_threads()
+    with pytest.raises(UserError, match=f"threads must be at most {max_threads()}"):
+        LlamaSettings(threads=max_threads() + 1)
+
+
 def test_answer_length_has_one_default():
     default = SamplingConfig().max_new_tokens
     parser = build_parser()

@@ -16,13 +16,15 @@ data the callers read).
 
 A backend's module is imported when it is first asked for and must import nothing heavy at module
 level (torch, its engine): ``pced --version`` and the store's metadata commands build the
-command line of every registered backend.
+command line of every registered backend. A plug-in that does not load is left out with one
+``PluginWarning`` and refused by name (``PluginError``), so that it takes nothing else down.
 """
 
 from __future__ import annotations
 
 import argparse
 import threading
+import warnings
 from dataclasses import asdict, dataclass
 from importlib import import_module
 from pathlib import Path
@@ -39,6 +41,16 @@ REGISTRY: dict[str, str] = {
     "vllm": "pced.backends.vllm:VLLMBackend",
 }
 ENTRY_POINT_GROUP = "pced.backends"
+# The hooks without a default: a class that leaves one out is refused as it loads, not mid-question.
+REQUIRED_HOOKS = ("load_model", "request_cache_dir", "open_caches", "cache_files", "verify_caches", "expert_rows")
+
+
+class PluginError(UserError):
+    """A backend that cannot be used: one line naming it, where it comes from, and why."""
+
+
+class PluginWarning(UserWarning):
+    """A backend plug-in left out (it cannot be used, or takes a built-in's name); the others work."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,11 @@ class Backend:
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
 
+    def missing_hook(self, hook: str) -> PluginError:
+        """The error for a hook its class leaves out (the registry refuses such a class as it loads)."""
+        cls = type(self)
+        return PluginError(f"the backend {self.name!r} ({cls.__module__}.{cls.__qualname__}) does not implement Backend.{hook}")
+
     # -- settings -------------------------------------------------------------------------
     def settings(self, value: Any = None) -> Any:
         """``value`` (this backend's settings dataclass) or the defaults; a UserError for another's."""
@@ -141,7 +158,7 @@ class Backend:
     # -- the model ------------------------------------------------------------------------
     def load_model(self, model: str | None, settings: Any, device: str | None = None, dtype: str = "auto") -> Any:
         """The model it answers with (``model``: a --model setting, None for the embedded one)."""
-        raise NotImplementedError
+        raise self.missing_hook("load_model")
 
     def model_key(self, settings: Any) -> tuple:
         """Backends whose models load alike (same key) share one loaded model in a store."""
@@ -169,21 +186,21 @@ class Backend:
     def request_cache_dir(self, cache_dir: str | Path | None, model: Any, template: Any, settings: Any) -> Path:
         """Where documents sent with a question keep their caches: its folder under ``cache_dir``,
         or, without one, a folder per model, template and settings under the cache root."""
-        raise NotImplementedError
+        raise self.missing_hook("request_cache_dir")
 
     def open_caches(self, model: Any, builder: Any, directory: Path, settings: Any, **policy: Any) -> Any:
         """The cache store of ``directory`` (``add``, ``load``, ``prefix``, ``stats``, ...); ``policy``:
         storage_dtype, tiers, budget_bytes, on_demand, recorded_model_path."""
-        raise NotImplementedError
+        raise self.missing_hook("open_caches")
 
     def cache_files(self, directory: Path) -> Path:
         """The folder under a cache directory that holds one file per document (``<h[:2]>/<h>.safetensors``)."""
-        raise NotImplementedError
+        raise self.missing_hook("cache_files")
 
     def verify_caches(self, directory: Path, remove: bool = False) -> dict:
         """Check every file of a cache directory without a model: ``{"checked", "damaged": [lines],
         "removed", "without_checksum"}``."""
-        raise NotImplementedError
+        raise self.missing_hook("verify_caches")
 
     def cache_estimate(self, model: Any, storage_dtype: str, token_counts: list[int]) -> dict | None:
         """Disk its caches of documents with ``token_counts`` tokens take, when known before encoding."""
@@ -195,7 +212,7 @@ class Backend:
         """PCED's rows (``decoding.Rows``): the amateur, then one row per candidate's document, from
         ``generator``'s model, prompt builder and caches; room for ``max_joins`` documents joining
         mid-answer (decode-time relevance)."""
-        raise NotImplementedError
+        raise self.missing_hook("expert_rows")
 
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
         """The loop's ``Scoring`` for PCED over ``rows``: the contrastive rule on their logits."""
@@ -251,61 +268,137 @@ class Backend:
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, Backend] = {}
-_EXTRA: dict[str, str | type] = {}  # registered at run time (register_backend) or by entry points
+_EXTRA: dict[str, str | type] = {}  # registered at run time (register_backend)
+_BROKEN: dict[str, str] = {}  # name -> why it cannot be used (a PluginError's line)
+_WARNED: set[str] = set()
 
 
 def register_backend(name: str, target: str | type) -> None:
     """Add a backend: ``target`` a ``Backend`` subclass or its "module:Class" name."""
     with _LOCK:
         _EXTRA[name] = target
-        _LOADED.pop(name, None)
+        _LOADED.pop(name, None), _BROKEN.pop(name, None)
 
 
 def unregister_backend(name: str) -> None:
     """Remove a backend added by ``register_backend`` (the registry's own lines stay)."""
     with _LOCK:
-        _EXTRA.pop(name, None)
-        _LOADED.pop(name, None)
+        _EXTRA.pop(name, None), _LOADED.pop(name, None), _BROKEN.pop(name, None)
 
 
-def _entry_points() -> dict[str, str]:
+def _warn_once(message: str) -> None:
+    with _LOCK:
+        first = message not in _WARNED
+        _WARNED.add(message)
+    if first:
+        warnings.warn(message, PluginWarning, stacklevel=3)
+
+
+def _origin(ep: Any) -> str:
+    dist = f"distribution {ep.dist.name} {ep.dist.version}" if getattr(ep, "dist", None) else "unknown distribution"
+    return f"backend plug-in {ep.name!r} (entry point {ep.name} = {ep.value}, {dist})"
+
+
+def _entry_points() -> dict[str, Any]:
+    """The group's entry points by name, from the installed metadata (nothing imported). One that
+    takes a built-in's name, or a name another distribution took first, is left out with a warning."""
     from importlib.metadata import entry_points
 
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found: dict[str, Any] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        taken = f"{ep.name!r} is a built-in backend" if ep.name in REGISTRY else (
+            f"{_origin(found[ep.name])} has that name" if ep.name in found else None)
+        if taken:
+            _warn_once(f"{_origin(ep)} is ignored: {taken}")
+        else:
+            found[ep.name] = ep
+    return found
 
 
 def backend_names() -> tuple[str, ...]:
-    """Every backend's name: the registry's, then entry points and run-time registrations."""
+    """Every registered name (nothing imported): the registry's, then entry points and run-time
+    registrations, with any that will not load (``all_backends`` leaves those out)."""
     with _LOCK:
         extra = dict(_EXTRA)
     return tuple(dict.fromkeys([*REGISTRY, *_entry_points(), *extra]))
 
 
+def _resolve(target: str | type) -> Any:
+    module, _, attribute = target.partition(":") if isinstance(target, str) else ("", "", "")
+    return getattr(import_module(module), attribute) if module else target
+
+
+def _load_plugin(name: str, target: str | type) -> Backend:
+    cls = _resolve(target)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"{cls!r} is not a subclass of pced.backend.Backend")
+    missing = [hook for hook in REQUIRED_HOOKS if getattr(cls, hook) is getattr(Backend, hook)]
+    if missing:
+        raise TypeError(f"{cls.__qualname__} does not implement {', '.join('Backend.' + m for m in missing)}")
+    backend = cls()
+    if backend.name != name:
+        raise TypeError(f"{cls.__qualname__} declares the name {backend.name!r}")
+    return backend
+
+
+def _origin_of(name: str, target: Any) -> tuple[str, Any]:
+    """Where a registered name comes from, for its messages, and what to load for it."""
+    if target is not None:
+        return f"backend {name!r} (registered as {target!r})", target
+    ep = _entry_points().get(name)
+    if ep is None:
+        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
+    return _origin(ep), ep.value
+
+
 def get_backend(name: str | Backend) -> Backend:
-    """The backend of that name (its class imported on first use); a UserError for an unknown name."""
+    """The backend of that name (its class imported on first use); a UserError for an unknown name,
+    a PluginError (which plug-in, from where, why) for one that cannot be used."""
     if isinstance(name, Backend):
         return name
     with _LOCK:
         if name in _LOADED:
             return _LOADED[name]
+        if name in _BROKEN:
+            raise PluginError(_BROKEN[name])
         target = _EXTRA.get(name) or REGISTRY.get(name)
-    if target is None:
-        target = _entry_points().get(name)
-    if target is None:
-        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-    if isinstance(target, str):
-        module, _, attribute = target.partition(":")
-        target = getattr(import_module(module), attribute)
-    backend = target()
-    if backend.name != name:
-        raise TypeError(f"backend {name!r} resolves to {type(backend).__name__}, whose name is {backend.name!r}")
+    if target is not None and target == REGISTRY.get(name):
+        backend = _resolve(target)()  # a built-in that fails to load is pced's bug: its traceback
+    else:
+        origin, target = _origin_of(name, target)
+        try:
+            backend = _load_plugin(name, target)
+        except Exception as exc:  # the plug-in's own code: whatever it raises is its fault alone
+            raise PluginError(set_aside(name, f"{type(exc).__name__}: {exc}", origin, warn=False)) from exc
     with _LOCK:
         return _LOADED.setdefault(name, backend)
 
 
+def set_aside(name: str, why: str, origin: str | None = None, warn: bool = True) -> str:
+    """Take a plug-in out of use (also where a front end finds it broken: a flag of its clashes with a
+    command's): asking for it raises the returned line, which is warned about once."""
+    origin = origin or _origin_of(name, _EXTRA.get(name))[0]
+    message = f"{origin} cannot be used: {' '.join(why.split())}"
+    with _LOCK:
+        _LOADED.pop(name, None)
+        _BROKEN[name] = message
+    if warn:
+        _warn_once(message)
+    return message
+
+
 def all_backends() -> list[Backend]:
-    return [get_backend(name) for name in backend_names()]
+    """Every backend that loads; one that does not is left out with a ``PluginWarning`` (once a
+    process), so that a broken plug-in takes no other backend or command down."""
+    backends = []
+    for name in backend_names():
+        try:
+            backends.append(get_backend(name))
+        except PluginError as exc:
+            _warn_once(str(exc))
+    return backends
 
 
-__all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "REGISTRY", "WorkShape", "all_backends",
-           "backend_names", "get_backend", "register_backend", "unregister_backend"]
+__all__ = ["Backend", "Capabilities", "DEFAULT_BACKEND", "NoSettings", "PluginError", "PluginWarning", "REGISTRY",
+           "REQUIRED_HOOKS", "WorkShape", "all_backends", "backend_names", "get_backend", "register_backend",
+           "set_aside", "unregister_backend"]

@@ -9,10 +9,11 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 
 from .bench import add_bench_parser
 from .chat import add_chat_parser
-from .common import InputError
+from .common import InputError, add_plugin_options
 from .eval import add_eval_parser
 from .offline import force_offline
 from .generate import add_generate_parser
@@ -59,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)
-    for command in _leaf_parsers(parser):
+    commands = list(_leaf_parsers(parser))
+    for command in commands:
         add_global_options(command)
+    add_plugin_options(commands)  # last: a plug-in's flags are tried against all of every command's
     return parser
 
 
@@ -79,12 +82,19 @@ def stop_on_terminate() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..backend import PluginWarning
     from ..errors import DataError, PcedError, UserError
 
-    from .terminal import printable
+    from .terminal import report
     from .threads import check_threads, configure_threads
 
-    parser = build_parser()
+    with warnings.catch_warnings(record=True) as caught:  # a plug-in left out: one line, not Python's two
+        parser = build_parser()
+    for warning in caught:
+        if issubclass(warning.category, PluginWarning):
+            report("warning", str(warning.message))
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     args = parser.parse_args(argv)
     force_offline()
     stop_on_terminate()
@@ -94,17 +104,17 @@ def main(argv: list[str] | None = None) -> int:
             configure_threads(threads)
         return args.func(args)
     except (UserError, DataError) as exc:  # bad input, or stored data that is damaged: one line
-        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
+        report("error", str(exc))
         return 2
     except BrokenPipeError:  # pced store list STORE | head: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 0
     except PcedError as exc:  # an engine that stopped: its own line, not the user's fault
-        print(f"pced: error: {printable(str(exc), newlines=False)}", file=sys.stderr)
+        report("error", str(exc))
         return 1
     except OSError as exc:  # a read-only store, a full disk, a missing directory
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"pced: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        report("error", f"{exc.strerror or exc}{where}")
         return 2
     except KeyboardInterrupt:
         print("pced: interrupted", file=sys.stderr)

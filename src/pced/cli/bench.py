@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench.config import BenchConfig
-from ..backend import backend_names
+from ..backend import all_backends, backend_names
 from ..errors import UserError
 from ..options import STORAGE_DTYPES
 from .common import add_backend_options
@@ -90,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     backend, default = get_backend(args.backend), get_backend(DEFAULT_BACKEND)
     settings = backend_settings_from(args)
     if args.beside is None:
-        args.beside = "" if backend.capabilities.concurrent_questions else ",".join(backend_names())
+        args.beside = "" if backend.capabilities.concurrent_questions else ",".join(b.name for b in all_backends())
     beside = tuple(dict.fromkeys(b.strip() for b in args.beside.split(",") if b.strip() and b.strip() != backend.name))
     unknown = [b for b in beside if b not in backend_names()]
     if unknown:

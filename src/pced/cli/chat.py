@@ -20,7 +20,7 @@ from ..errors import DataError, UserError
 from ..options import METHODS, RETRIEVERS, AskOptions, check_question
 from .common import InputError, add_backend_options, add_decoding_options, add_model_options, add_retrieval_options, \
     ask_options_from, open_store
-from .terminal import count, printable
+from .terminal import count, printable, report
 
 HELP = f"""commands (settings hold for the questions that follow):
   /method NAME          {', '.join(METHODS)}
@@ -43,9 +43,15 @@ def add_chat_parser(sub) -> None:
     p.set_defaults(func=cmd_chat)
 
 
+def echo(text: str) -> None:
+    """A line of chat's own that holds what the user typed: shown literally (``terminal.printable``)."""
+    print(printable(text, newlines=False))
+
+
 def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions | None:
     """The options after a /command (printing what changed), or None for /quit. Bad values raise
-    ``InputError`` with one line and change nothing."""
+    ``InputError`` with one line and change nothing; every echo of the line goes through ``echo``
+    or ``report``."""
     name, _, value = line[1:].strip().partition(" ")
     value = value.strip()
     try:
@@ -54,8 +60,8 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
         if name == "help":
             print(HELP)
         elif name == "settings":
-            print(f"method {options.method}, top-k {options.top_k}, retriever {options.retriever}, "
-                  f"max-new-tokens {options.sampling.max_new_tokens}, history {'on' if session['history'] else 'off'}")
+            echo(f"method {options.method}, top-k {options.top_k}, retriever {options.retriever}, "
+                 f"max-new-tokens {options.sampling.max_new_tokens}, history {'on' if session['history'] else 'off'}")
         elif name == "method":
             options = replace(options, method=value)
         elif name == "top-k":
@@ -68,7 +74,7 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
             if not session["history"]:
                 print("history off: each question is asked on its own (/history on: follow-ups of the previous turn)")
             elif session["turns"]:
-                print(f'history on: the next question follows up on "{printable(session["turns"][-1][0], newlines=False)}"')
+                echo(f'history on: the next question follows up on "{session["turns"][-1][0]}"')
             else:
                 print("history on: the next question is the first of the conversation")
             return options
@@ -84,7 +90,7 @@ def apply_command(line: str, options: AskOptions, session: dict) -> AskOptions |
     except ValueError as exc:
         raise InputError(str(exc) if "invalid literal" not in str(exc) else f"/{name} needs a number") from None
     if name not in ("help", "settings"):
-        print(f"ok: /{name} {value}".rstrip())
+        echo(f"ok: /{name} {value}".rstrip())
     return options
 
 
@@ -129,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()
     session = {"history": False, "turns": []}
-    print(f"pced chat: {store.root}, {count(len(store.documents), 'document')}. /help for commands, /quit to leave.")
+    echo(f"pced chat: {store.root}, {count(len(store.documents), 'document')}. /help for commands, /quit to leave.")
     while True:
         try:
             line = input("> " if interactive else "")
@@ -141,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             try:
                 options = apply_command(line, options, session)
             except InputError as exc:
-                print(f"pced: error: {exc}", file=sys.stderr)
+                report("error", str(exc))
                 continue
             if options is None:
                 return 0
@@ -153,7 +159,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             asked = ask(store, typed, options, query=query)
             answer = stream_answer(asked.generation, asked.candidates, typed, console)
         except (UserError, DataError) as exc:
-            print(f"pced: error: {exc}", file=sys.stderr)
+            report("error", str(exc))
             continue
         except KeyboardInterrupt:
             print("\n(stopped)")

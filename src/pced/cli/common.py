@@ -102,18 +102,55 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                             f"in the top-k (default {AskOptions.max_joins}: off)")
 
 
+def backends_help(backends) -> str:
+    """Each backend's name and summary, for a help text (a plug-in's ``%`` kept literal)."""
+    return "; ".join(f"{b.name}: {b.summary}" for b in backends).replace("%", "%%")
+
+
 def add_backend_options(parser: argparse.ArgumentParser, command: str = "ask", choices=None,
                         help: str | None = None) -> None:
-    """--backend (every registered backend, or ``choices``) and each backend's own flags."""
-    from ..backend import all_backends
+    """--backend (every registered backend, or ``choices``) and each built-in backend's own flags; a
+    plug-in's wait for ``add_plugin_options``. A plug-in that cannot be used is left out of the help
+    (with a warning) but stays a choice, so that naming it gives its one-line error, not argparse's usage."""
+    from ..backend import REGISTRY, all_backends, backend_names
 
-    backends = all_backends() if choices is None else [b for b in all_backends() if b.name in choices]
+    backends = [b for b in all_backends() if choices is None or b.name in choices]
     group = parser.add_argument_group("backend")
     default = get_backend(AskOptions.backend)
-    group.add_argument("--backend", choices=[b.name for b in backends], default=default.name,
-                       help=help or "; ".join(f"{b.name}: {b.summary}" for b in backends))
+    group.add_argument("--backend", choices=[n for n in backend_names() if choices is None or n in choices],
+                       default=default.name, metavar="{" + ",".join(b.name for b in backends) + "}",
+                       help=help or backends_help(backends))
     for backend in backends:
-        backend.add_options(group, command)
+        if backend.name in REGISTRY:
+            backend.add_options(group, command)
+    parser.pced_plugin_flags = (group, command, [b for b in backends if b.name not in REGISTRY])
+
+
+def _usable(backend) -> bool:
+    try:
+        return get_backend(backend.name) is backend  # not set aside since
+    except UserError:
+        return False
+
+
+def add_plugin_options(commands: list[argparse.ArgumentParser]) -> None:
+    """The plug-ins' own flags, once every command has all of its own: each plug-in's tried on a copy
+    of every command first, so that flags that raise or take a name a command already has set that
+    plug-in aside with a warning (``pced.backend.set_aside``) instead of stopping every command."""
+    from ..backend import set_aside
+
+    pending = [getattr(parser, "pced_plugin_flags", None) + (parser,) for parser in commands
+               if hasattr(parser, "pced_plugin_flags")]
+    for _, command, plugins, parser in pending:
+        for backend in filter(_usable, plugins):
+            trial = argparse.ArgumentParser(add_help=False, parents=[parser])
+            try:
+                backend.add_options(trial.add_argument_group("backend"), command)
+            except Exception as exc:  # the plug-in's own code
+                set_aside(backend.name, f"its flags for pced {command}: {type(exc).__name__}: {exc}")
+    for group, command, plugins, _ in pending:
+        for backend in filter(_usable, plugins):
+            backend.add_options(group, command)
 
 
 def backend_settings_from(args: argparse.Namespace):
@@ -170,5 +207,6 @@ def say(text: str) -> None:
         print(f"pced: {text}", file=sys.stderr, flush=True)
 
 
-__all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_retrieval_options",
-           "ask_options_from", "backend_settings_from", "open_store", "parse_beta", "tiers_from"]
+__all__ = ["InputError", "add_backend_options", "add_decoding_options", "add_model_options", "add_plugin_options",
+           "add_retrieval_options", "ask_options_from", "backend_settings_from", "backends_help", "open_store", "parse_beta",
+           "tiers_from"]

@@ -3,6 +3,7 @@ is shown literally, its control characters as visible escapes rather than sent t
 
 from __future__ import annotations
 
+import sys
 import unicodedata
 
 BIDI_CONTROLS = set(range(0x202A, 0x202F)) | set(range(0x2066, 0x206A))
@@ -20,6 +21,12 @@ def printable(text: str, newlines: bool = True) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def report(kind: str, message: str) -> None:
+    """One ``pced: <kind>: ...`` line on stderr ("error", "warning"), whatever ``message`` holds:
+    its user text (a path, a typed command, a question) shown literally."""
+    print(f"pced: {kind}: {printable(message, newlines=False)}", file=sys.stderr)
 
 
 def count(n: int, thing: str, plural: str | None = None) -> str:

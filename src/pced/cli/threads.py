@@ -7,17 +7,7 @@ rule and the numbers behind it. The library itself never changes torch's setting
 
 from __future__ import annotations
 
-import os
-
-from ..errors import UserError
-
-
-def available_cores() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+from ..backends.threads import available_cores, check_thread_count
 
 
 def default_threads() -> int:
@@ -31,11 +21,8 @@ def default_threads() -> int:
 
 
 def check_threads(threads: int | None) -> int:
-    """``--threads`` checked (None: ``default_threads()``)."""
-    threads = default_threads() if threads is None else threads
-    if threads < 1:
-        raise UserError(f"--threads must be at least 1, got {threads}")
-    return threads
+    """``--threads`` checked, between 1 and ``max_threads()`` (None: ``default_threads()``)."""
+    return default_threads() if threads is None else check_thread_count(threads, "--threads")
 
 
 def configure_threads(threads: int | None) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..threads import check_thread_count
+
 LLAMA_CACHE_TYPES = ("f16", "q8_0")  # llama.cpp KV cache types: a sequence state is stored in it
 
 
@@ -29,7 +31,7 @@ class LlamaSettings:
             raise ValueError(f"gpu layers must be 0 or more, got {self.gpu_layers}")
         if self.cache_type not in LLAMA_CACHE_TYPES:
             raise ValueError(f"unknown llama.cpp cache type {self.cache_type!r}; choose one of {', '.join(LLAMA_CACHE_TYPES)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.threads is not None:
+            check_thread_count(self.threads, "threads")
         if not 1 <= self.ubatch_tokens <= self.batch_tokens:
             raise ValueError(f"need 1 <= ubatch_tokens <= batch_tokens, got {self.ubatch_tokens} and {self.batch_tokens}")

@@ -4,6 +4,7 @@ every byte every time."""
 
 import pytest
 
+import pced.kv.file_check as file_check
 import pced.kv.format as kv_format
 from pced.kv.format import CacheError, verify_cache_dir
 from pced.kv.store import KVStore
@@ -14,15 +15,17 @@ DOCS = ["Mira Quell founded Zorblax. " * 6, "Oskvale lies on Lake Tarnow and has
 
 @pytest.fixture
 def checksums(monkeypatch):
-    """Counts the checksums computed (the real function, counted)."""
+    """Counts the checksums computed (the real functions, counted): over a cache's tensors on load,
+    over a file's bytes in ``pced verify``."""
     calls = []
-    real = kv_format.tensor_checksum
+    for module, name in ((kv_format, "tensor_checksum"), (file_check, "bytes_checksum")):
+        real = getattr(module, name)
 
-    def counted(tensors):
-        calls.append(1)
-        return real(tensors)
+        def counted(data, real=real):
+            calls.append(1)
+            return real(data)
 
-    monkeypatch.setattr(kv_format, "tensor_checksum", counted)
+        monkeypatch.setattr(module, name, counted)
     return calls
 
 

@@ -197,10 +197,17 @@ class Backend:
         """The folder under a cache directory that holds one file per document (``<h[:2]>/<h>.safetensors``)."""
         raise self.missing_hook("cache_files")
 
-    def verify_caches(self, directory: Path, remove: bool = False) -> dict:
+    def verify_caches(self, directory: Path, remove: bool = False, referenced: set[str] | None = None) -> dict:
         """Check every file of a cache directory without a model: ``{"checked", "damaged": [lines],
-        "removed", "without_checksum"}``."""
+        "removed", "without_checksum", "orphans", "orphans_removed"}``; a file whose content hash is
+        not in ``referenced`` (None: all count) is an orphan, counted apart and deleted by ``remove``."""
         raise self.missing_hook("verify_caches")
+
+    def check_cache(self, directory: Path, path: Path, digest: str) -> dict:
+        """One document's cache file checked from its bytes, without torch or a model (header, sizes,
+        identity, content hash, checksum; ``verify_caches`` runs the same check first): its metadata,
+        or a one-line DataError. Optional: ``pced store show`` counts a file it cannot check as it is."""
+        raise NotImplementedError
 
     def cache_estimate(self, model: Any, storage_dtype: str, token_counts: list[int]) -> dict | None:
         """Disk its caches of documents with ``token_counts`` tokens take, when known before encoding."""

@@ -7,21 +7,60 @@ are ``.tmp-<target name>.<pid>.<random>``; ``sweep_temporaries`` (called by the 
 writer, never by readers) removes those a killed run left behind.
 
 Files are created with a plain ``open`` (mode 0666 minus the umask), so a store or result folder
-shared between users stays readable; nothing here reads or changes the process umask.
+shared between users stays readable; nothing here reads or changes the process umask. What pced
+reads back of its own (``open_regular``) must be a regular file: a FIFO, a device or a symbolic
+link put in its place is refused instead of blocking a reader or reading outside the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 TEMP_PREFIX = ".tmp-"
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFile(OSError):
+    """Something other than a regular file where pced keeps one of its files."""
+
+    def __init__(self, path: str | os.PathLike, mode: int):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file; ``NotRegularFile`` otherwise.
+    Never follows a symbolic link in its last component and never blocks (a FIFO's open waits for
+    a writer that may never come)."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(path, mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # replaced between the two looks
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """The bytes of a regular file (``open_regular``)."""
+    with open_regular(path) as handle:
+        return handle.read()
 
 
 def temp_path(target: str | os.PathLike) -> Path:

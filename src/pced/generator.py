@@ -56,6 +56,14 @@ class Generator:
                                                tiers=tiers, budget_bytes=budget_bytes, on_demand=on_demand,
                                                recorded_model_path=recorded_model_path)
 
+    def guard_writes(self, guard) -> None:
+        """Write an encoded document cache only where ``guard(digest)`` (a context manager yielding a
+        bool) allows it; a refused one is used from memory (``pced.kv.budget.CacheUse``). Set by the
+        store whose directory the caches are in, so that a document it removed is never written back."""
+        use = getattr(self.caches, "use", None)  # a plug-in backend's cache store may have no CacheUse
+        if use is not None:
+            use.write_guard = guard
+
     def stream(
         self,
         candidates: Sequence[Candidate],

@@ -47,6 +47,9 @@ def add_index_parser(sub) -> None:
     p.add_argument("--kv-budget-gb", type=float, default=defaults.kv_budget_gb,
                    help="keep the KV caches within this many GB: encoded when first retrieved, least recently used "
                         "evicted (kept in the manifest; later runs keep it unless given again)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="replace what the store holds with CORPUS, whatever its manifest and documents.jsonl held or "
+                        "however they are damaged (the caches that still match are kept)")
     p.set_defaults(func=cmd_index)
 
 
@@ -89,15 +92,17 @@ def add_verify_arguments(p) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..retrieval.storage import verify_index_files
     from ..store import DocumentStore
-    from ..store.inventory import cache_directories
+    from ..store.inventory import Inventory
     from ..store.layout import RETRIEVERS_DIR
-    from .terminal import printable
+    from .terminal import count, printable
 
     store = DocumentStore.open(args.store)  # the manifest's schema, documents.jsonl against the retriever indexes
     index_damage = verify_index_files(store.state / RETRIEVERS_DIR)
-    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
-    for backend, directory in cache_directories(store.root):  # every backend's caches
-        for key, value in backend.verify_caches(directory, remove=args.remove).items():
+    inventory = Inventory.open(store)
+    referenced = inventory.referenced()  # a cache no document names is an orphan, not the store's data
+    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0, "orphans": 0, "orphans_removed": 0}
+    for backend, directory in inventory.directories:  # every backend's caches
+        for key, value in backend.verify_caches(directory, remove=args.remove, referenced=referenced).items():
             report[key] += value
     for line in index_damage + report["damaged"]:
         print(f"pced: damaged: {printable(line, newlines=False)}", file=sys.stderr)
@@ -105,8 +110,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if report["without_checksum"] else ""
     removed = f"; {report['removed']} removed" if report["removed"] else ""
     indexes = f"; {len(index_damage)} retrieval index files damaged (re-run pced index)" if index_damage else ""
+    orphans = f"; {count(report['orphans'], 'orphan cache file')}" + (
+        " removed" if report["orphans_removed"] else " (no document names them; --remove deletes them)") \
+        if report["orphans"] else ""
     print(f"pced: {store.root}: {len(store.documents)} documents, {report['checked']} cache files checked, "
-          f"{len(report['damaged'])} damaged{removed}{old}{indexes}")
+          f"{len(report['damaged'])} damaged{removed}{old}{indexes}{orphans}")
     return 1 if index_damage or (report["damaged"] and not args.remove) else 0
 
 
@@ -126,7 +134,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
     )
     say(f"loading the model ({settings.model}, on {args.backend}) ...")
-    _, report = index_store(corpus, args.out, settings, backend=args.backend, backend_settings=backend_settings_from(args))
+    _, report = index_store(corpus, args.out, settings, backend=args.backend, backend_settings=backend_settings_from(args),
+                            rebuild=args.rebuild)
     print(
         f"pced: store {args.out}: {report['documents']} documents ({report['added']} added, {report['updated']} updated, "
         f"{len(report['chunked'])} chunked); {report['kv_encoded']} KV caches encoded in {report['kv_s']:.1f} s"

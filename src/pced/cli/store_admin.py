@@ -1,6 +1,7 @@
 """``pced store list | show | remove | stats | verify``: see and change what a store holds.
 
-list / show / stats read the store with its tokenizer only (no model weights); remove goes through
+list / show / stats read the store with its tokenizer only (no model weights, no torch); show checks
+each cache file it reports as ``pced verify`` checks its bytes (``pced.store.inventory``); remove goes through
 the indexing writer (its lock, its atomic swap of the retrieval indexes). ``pced store verify`` is
 ``pced verify`` under the store verbs (both stay: scripts call the short one). User text (ids,
 titles, document text) is printed as it is, never interpreted as markup.
@@ -85,7 +86,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     for part in info["parts"]:
         print(f"\n[{printable(part['id'], newlines=False)}] {part['tokens']} tokens; cache {part['cache']}"
               + (f", {human_bytes(part['cache_bytes'])}" if part["cache_bytes"] else "")
-              + "".join(f"; {name}" for name in part["cache_files"]))
+              + "".join(f"; {printable(name, newlines=False)}" for name in part["cache_files"]))
+        for line in part["cache_damage"]:
+            print(f"  {printable(line, newlines=False)}")
         print(printable(part["text"]))
     return 0
 
@@ -114,6 +117,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"caches encoded: {stats['caches_encoded']}")
     print(f"bytes: text {human_bytes(b['text'])}, retrieval {human_bytes(b['retrieval'])}, caches {human_bytes(b['caches'])}, "
           f"total {human_bytes(b['total'])}")
+    if stats["orphans"]["files"]:
+        print(f"orphans: {count(stats['orphans']['files'], 'cache file')}, {human_bytes(stats['orphans']['bytes'])} "
+              "(no document of the store names them; pced verify --remove or the next pced index deletes them)")
     for key, budget in stats.items():
         if key.endswith("_budget"):  # each backend's cache directory has a budget of its own
             print(f"{key.removesuffix('_budget').replace('_', ' ')} budget: " + ", ".join(f"{k} {v}" for k, v in budget.items()))

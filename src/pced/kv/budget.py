@@ -22,8 +22,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, ContextManager
 
-from ..fs import atomic_write_json
+from ..fs import atomic_write_json, read_regular
 
 COUNTERS = "budget.json"
 LOCK = ".budget.lock"
@@ -57,9 +58,10 @@ class ByteBudget:
 
     def _counters(self) -> dict:
         try:
-            stored = json.loads((self.root / COUNTERS).read_text())
+            stored = json.loads(read_regular(self.root / COUNTERS))
         except (OSError, ValueError):
             stored = {}
+        stored = stored if isinstance(stored, dict) else {}
         return {k: int(stored.get(k, 0)) if isinstance(stored.get(k, 0), int) else 0
                 for k in ("hits", "misses", "evictions")}
 
@@ -121,14 +123,23 @@ class CacheUse:
     """How a directory of content-addressed caches is used, shared by ``KVStore`` and every other
     backend's cache store (``pced.backend``): which documents to encode, the budget's hits, misses and
     evictions when the directory is on demand, and the recent documents' texts, so that a cache
-    evicted between ``add`` and its load is encoded again instead of failing."""
+    evicted between ``add`` and its load is encoded again instead of failing.
+
+    ``write_guard`` (set by the store that owns the directory: ``DocumentStore``) decides whether an
+    encoded cache may be written: ``write_guard(digest)`` is a context manager yielding a bool, held
+    while the file is written. A cache it refuses (its document is no longer in the store) is held
+    in memory for its load instead (``hold`` / ``take``), never written."""
 
     RECENT = 4 * 64  # texts remembered: a few questions' documents
+    HELD = 64  # caches kept in memory for their load, at most (one question's experts)
 
-    def __init__(self, root: Path, files_dir: Path, budget_bytes: int | None, on_demand: bool):
+    def __init__(self, root: Path, files_dir: Path, budget_bytes: int | None, on_demand: bool,
+                 write_guard: Callable[[str], ContextManager[bool]] | None = None):
         self.on_demand = on_demand or budget_bytes is not None
         self.budget = ByteBudget(root, files_dir, budget_bytes)
+        self.write_guard = write_guard
         self._texts: OrderedDict[str, str] = OrderedDict()
+        self._held: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def add(self, digests: list[str], texts: list[str], has: Callable[[str], bool], path_for: Callable[[str], Path],
@@ -141,7 +152,8 @@ class CacheUse:
                 self._texts.move_to_end(digest)
             while len(self._texts) > self.RECENT:
                 self._texts.popitem(last=False)
-        todo = {digest: text for digest, text in zip(digests, texts) if not has(digest)}
+            held = set(self._held)
+        todo = {digest: text for digest, text in zip(digests, texts) if digest not in held and not has(digest)}
         if self.on_demand:
             self.budget.touch(path_for(d) for d in set(digests) - set(todo))
         encode(todo)
@@ -149,6 +161,27 @@ class CacheUse:
             unique = set(digests)
             self.budget.record(hits=len(unique) - len(todo), misses=len(todo), protect=unique)
         return len(todo)
+
+    def keep(self, digest: str, cache: Any, write: Callable[[], None]) -> None:
+        """A cache just encoded: ``write()`` it into the directory if the guard lets it, else hold
+        ``cache`` in memory until its load."""
+        if self.write_guard is None:
+            write()
+            return
+        with self.write_guard(digest) as allowed:
+            if allowed:
+                write()
+                return
+        with self._lock:
+            self._held[digest] = cache
+            self._held.move_to_end(digest)
+            while len(self._held) > self.HELD:  # a dropped one is encoded again at its load
+                self._held.popitem(last=False)
+
+    def take(self, digest: str) -> Any:
+        """The cache held in memory for ``digest`` (once), or None."""
+        with self._lock:
+            return self._held.pop(digest, None)
 
     def encode_again(self, digest: str, encode: Callable[[dict[str, str]], None]) -> bool:
         """A cache ``add`` saw, gone before its load (evicted by another process, or swept by an index

@@ -4,9 +4,7 @@ the identity it was built for and a CRC-32 of its bytes; memory-mapped reads and
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import threading
 import warnings
 import zlib
@@ -15,16 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..fs import NotRegularFile, open_regular
+from .file_check import CacheError, check_cache_bytes, read_header, read_identity
 from .segment import DocKV
 
 FORMAT_VERSION = 1
-
-
-class CacheError(DataError):
-    """A stored cache that cannot be used: built for another model/template, or damaged."""
-
-    code = "damaged_cache"
+__all__ = ["CacheError", "FORMAT_VERSION", "check_cache_file", "content_hash", "mmap_safetensors", "tensor_checksum",
+           "verify_cache_dir", "verify_files"]
 
 
 def content_hash(context_text: str) -> str:
@@ -40,32 +35,20 @@ def mmap_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
     """Zero-copy views of a safetensors file's tensors (memory-mapped; pages are read on first touch).
 
     safetensors' own loader copies every tensor into fresh memory; the decoder copies the cache
-    into its batch buffer anyway, so mapping the file saves one full copy per document.
+    into its batch buffer anyway, so mapping the file saves one full copy per document. Only a
+    regular file is opened (``pced.fs.open_regular``), and every tensor is checked to lie inside it.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        if size < 8:
-            raise ValueError(f"the file is truncated ({size} bytes)")
-        header_len = struct.unpack("<Q", handle.read(8))[0]
-        if header_len > size - 8:
-            raise ValueError(f"the file is truncated (its header alone needs {header_len + 8} bytes, it has {size})")
-        header = json.loads(handle.read(header_len))
-    meta = header.pop("__metadata__", {}) or {}
-    base = 8 + header_len
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    with open_regular(path) as handle:
+        meta, header, base = read_header(handle, os.fstat(handle.fileno()).st_size)
+        mapped = np.memmap(handle, dtype=np.uint8, mode="r")
     tensors = {}
     for name, info in header.items():
         start, end = info["data_offsets"]
-        dtype = info["dtype"]
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {dtype}, not one pced stores")
-        if base + end > size or start > end:
-            raise ValueError(f"the file is truncated (tensor {name!r} ends at byte {base + end}, the file has {size})")
-        carrier = mapped[base + start : base + end].view(_NUMPY_CARRIER[dtype])
+        carrier = mapped[base + start : base + end].view(_NUMPY_CARRIER[info["dtype"]])
         with warnings.catch_warnings():  # read-only mapping: we never write through it
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(carrier)
-        tensors[name] = tensor.view(_SAFETENSORS_DTYPES[dtype]).view(info["shape"])
+        tensors[name] = tensor.view(_SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
     return meta, tensors
 
 
@@ -120,6 +103,8 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
     try:
         meta, tensors = mmap_safetensors(path)
         keys, values = tensors["keys"], tensors["values"]
+    except NotRegularFile as exc:
+        raise CacheError(f"cache file {path} is {exc.strerror}; {fix}") from None
     except Exception as exc:  # any malformed header, size or dtype
         raise CacheError(f"cache file {path} is damaged or not a pced cache: {exc}; {fix}") from exc
     for key, expected in identity.items():
@@ -145,32 +130,48 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
     return kv, meta
 
 
-def verify_cache_dir(root: Path, remove: bool = False) -> dict:
-    """Check every cache of a KV store directory without loading a model (``pced verify``): each
-    file fully, finiteness included. Returns counts and one line per damaged file; ``remove``
-    deletes damaged files so that the next ``pced index`` (or a lazy store's next answer) re-encodes them."""
-    try:
-        identity = json.loads((root / "kvstore.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CacheError(f"{root} has no readable kvstore.json ({exc}); not a KV store") from None
-    identity = {k: v for k, v in identity.items() if k != "model"}  # the folder's name: recorded, not checked
+def cache_checker(root: Path):
+    """``check(path, digest)``: everything ``pced verify`` checks of one file of the KV store
+    directory ``root`` (its bytes as ``pced store show`` checks them, then shapes and finiteness);
+    the file's metadata, or a one-line CacheError."""
+    identity = read_identity(root, "kvstore.json", recorded=("model",))  # the folder's name: recorded, not checked
 
     def check(path: Path, digest: str) -> dict:
-        kv, meta = check_cache_file(path, identity, digest)
+        meta = check_cache_bytes(path, identity, digest)
+        kv, _ = check_cache_file(path, identity, digest, verify=False)
         if not all(bool(torch.isfinite(t).all()) for t in kv.tensors().values()):
             raise CacheError(f"cache file {path} holds non-finite values (NaN or infinity)")
         return meta
 
-    return verify_files(root, "kv", check, remove)
+    return check
 
 
-def verify_files(root: Path, files_dir: str, check, remove: bool = False) -> dict:
+def verify_cache_dir(root: Path, remove: bool = False, referenced: set[str] | None = None) -> dict:
+    """Check every cache of a KV store directory without loading a model (``pced verify``): each
+    file fully, finiteness included. Returns counts and one line per damaged file; ``remove``
+    deletes damaged files so that the next ``pced index`` (or a lazy store's next answer) re-encodes
+    them. ``referenced``: see ``verify_files``."""
+    return verify_files(root, "kv", cache_checker(root), remove, referenced)
+
+
+def verify_files(root: Path, files_dir: str, check, remove: bool = False, referenced: set[str] | None = None) -> dict:
     """Run ``check(path, digest)`` (a file's metadata, or a CacheError) over a cache directory's prefix
     and its per-document files under ``files_dir``: counts and one line per damaged file; ``remove``
-    deletes damaged files. Shared by every backend's cache directory (``Backend.verify_caches``)."""
-    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0}
-    files = [(root / "prefix.safetensors", "prefix")] if (root / "prefix.safetensors").is_file() else []
-    files += [(path, path.stem) for path in sorted((root / files_dir).glob("*/*.safetensors"))]
+    deletes damaged files. A file whose name is not in ``referenced`` (the content hashes a store's
+    documents name; None: every file counts) is an orphan: counted apart, not checked, deleted by
+    ``remove``. Whatever sits under a cache file's name is checked, a FIFO or a link included (the
+    check opens regular files only). Shared by every backend's cache directory (``Backend.verify_caches``)."""
+    report = {"checked": 0, "damaged": [], "without_checksum": 0, "removed": 0, "orphans": 0, "orphans_removed": 0}
+    prefix = root / "prefix.safetensors"
+    files = [(prefix, "prefix")] if os.path.lexists(prefix) else []
+    for path in sorted((root / files_dir).glob("*/*.safetensors")):
+        if referenced is None or path.stem in referenced:
+            files.append((path, path.stem))
+            continue
+        report["orphans"] += 1
+        if remove:
+            path.unlink(missing_ok=True)
+            report["orphans_removed"] += 1
     for path, digest in files:
         report["checked"] += 1
         try:
@@ -181,4 +182,3 @@ def verify_files(root: Path, files_dir: str, check, remove: bool = False) -> dic
                 path.unlink(missing_ok=True)
                 report["removed"] += 1
     return report
-

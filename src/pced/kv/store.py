@@ -19,6 +19,8 @@ first token); files written before checksums existed load without that check.
 On demand (``on_demand``, or a ``budget_bytes``): documents are encoded when first asked for and,
 with a budget, the least recently used caches are evicted past it (``pced.kv.budget``); a cache
 found missing when it is loaded (evicted, or swept by an index run meanwhile) is encoded again.
+A store's directory writes a cache only where its owner's guard lets it (``CacheUse.write_guard``);
+one it refuses is used from memory for that answer.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ class KVStore:
                 chunk = items[start : start + batch_size]
                 token_ids = [self.builder.encode(text) for _, text in chunk]
                 for (digest, _), kv in zip(chunk, encode_documents(self.llm, prefix, token_ids)):
-                    self._save(kv, digest, self.path_for(digest))
+                    stored = kv.stored_as(self.storage_dtype)
+                    self.use.keep(digest, stored, lambda: self._write(stored, digest, self.path_for(digest)))
                 bar.update(len(chunk))
 
     def stats(self) -> dict:
@@ -176,9 +179,11 @@ class KVStore:
         sweep_temporaries(self.root / "kv", "*/", keep_live=True)
 
     def _save(self, kv: DocKV, digest: str, path: Path) -> None:
+        self._write(kv.stored_as(self.storage_dtype), digest, path)
+
+    def _write(self, stored: DocKV, digest: str, path: Path) -> None:
         """Write the file, then read it back once against its checksum: a file that loads later was
         verified when written (in this process, its loads skip the check)."""
-        stored = kv.stored_as(self.storage_dtype)
         atomic_save_tensors(path, stored.tensors(), self._metadata(digest, stored))
         check_cache_file(path, self.identity, digest, stored.n_tokens, verify=True)
 
@@ -186,11 +191,13 @@ class KVStore:
         """A document's cache: memory-mapped from disk (read-only views of the file), or, with a device
         tier, dense on the model's device (from the pool when it holds it)."""
         path = self.path_for(digest)
-        if not path.is_file() and not self.use.encode_again(digest, self._encode):
-            raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
-        if self.pool is not None:
-            return self.pool.get(digest, lambda: self._read(path, digest, None))
-        return self._read(path, digest, None)
+        held = self.use.take(digest)
+        if held is None and not path.is_file():
+            if not self.use.encode_again(digest, self._encode):
+                raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
+            held = self.use.take(digest)  # encoded again, and not the store's to keep
+        read = (lambda: held) if held is not None else (lambda: self._read(path, digest, None))
+        return self.pool.get(digest, read) if self.pool is not None else read()
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:
         return check_cache_file(path, self.identity, digest, expected_tokens, self.verify)[0]

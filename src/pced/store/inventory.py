@@ -7,16 +7,25 @@ A document longer than the store's ``max_doc_tokens`` is stored as chunks, each 
 document it was split from (``Document.source``, written in documents.jsonl): the chunk relation is
 read from that record, never inferred from how an id is spelled, so a document of the user's whose
 id looks like a chunk's (``report#1`` beside a chunked ``report``) is a document of its own.
+
+A document's cache counts as encoded when a regular file is at its name (``list``, ``stats``: no
+file is read); ``show`` checks each file's bytes as ``pced verify`` does before it looks into the
+tensors (header, sizes, identity, content hash, checksum: ``Backend.check_cache``), so a cut,
+changed, swapped or foreign file, a FIFO or a link out of the store is reported damaged. Cache files
+no document of the store names (what a killed index run leaves) are orphans: reported apart, never
+counted as the store's data.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..documents import Document
+from ..fs import read_regular
 from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, state_dir
 
 def group_documents(documents: list[Document]) -> dict[str, list[Document]]:
@@ -40,35 +49,55 @@ def cache_directories(root: Path) -> list[tuple[object, Path]]:
     return found
 
 
+def regular_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` (a link is not followed), or None."""
+    try:
+        found = os.lstat(path)
+    except OSError:  # absent, or removed while we look (a writer's temporary)
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None
+
+
 def tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for base, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += (Path(base) / name).stat().st_size
-            except OSError:  # removed while we walk (a writer's temporary)
-                pass
-    return total
+    """Bytes of the regular files at or under ``path`` (links are not followed)."""
+    if not path.is_dir() or path.is_symlink():
+        return regular_size(path) or 0
+    return sum(regular_size(Path(base) / name) or 0 for base, _, files in os.walk(path) for name in files)
 
 
 @dataclass
 class CacheState:
     digest: str
-    paths: list[Path]  # the document's cache file in each backend's cache directory of the store
+    places: list[tuple[object, Path, Path]]  # (backend, its cache directory, the document's file in it)
     tokens: int  # the document's context tokens (what its cache holds)
 
     @property
+    def paths(self) -> list[Path]:
+        return [path for _, _, path in self.places]
+
+    @property
     def files(self) -> list[tuple[Path, int]]:
-        """(path, bytes) of the files that exist."""
-        found = []
-        for path in self.paths:
+        """(path, bytes) of the regular files at the document's names."""
+        return [(path, size) for path in self.paths if (size := regular_size(path)) is not None]
+
+    def damage(self) -> list[str]:
+        """One line per file at the document's names that is not a whole cache of it (checked as
+        ``pced verify`` checks it before looking into the tensors: ``Backend.check_cache``)."""
+        from ..errors import DataError
+
+        lines = []
+        for backend, directory, path in self.places:
+            if not os.path.lexists(path):
+                continue
             try:
-                found.append((path, path.stat().st_size))
-            except OSError:
+                backend.check_cache(directory, path, self.digest)
+            except NotImplementedError:  # a plug-in backend without the check: its files count as they are
                 pass
-        return found
+            except FileNotFoundError:  # evicted or swept while we look
+                pass
+            except DataError as exc:
+                lines.append(str(exc))
+        return lines
 
     @property
     def bytes(self) -> int:
@@ -117,10 +146,24 @@ class Inventory:
                     self.builder = prompt_builder(self.store)
                 context = self.builder.context_text([document.render()])
                 digest, tokens = content_hash(context), len(self.builder.encode(context))
-            paths = [backend.cache_files(directory) / digest[:2] / f"{digest}.safetensors"
-                     for backend, directory in self.directories]
-            self._caches[document.id] = CacheState(digest, paths, tokens)
+            places = [(backend, directory, backend.cache_files(directory) / digest[:2] / f"{digest}.safetensors")
+                      for backend, directory in self.directories]
+            self._caches[document.id] = CacheState(digest, places, tokens)
         return self._caches[document.id]
+
+    def referenced(self) -> set[str]:
+        """The content hashes the store's documents name (their cache files' names)."""
+        return {self.cache(d).digest for d in self.documents}
+
+    def orphans(self) -> list[tuple[Path, int]]:
+        """(path, bytes) of the cache files no document of the store names: a killed index run's, or
+        a replaced document's kept one run for readers of the previous generation."""
+        keep, found = self.referenced(), []
+        for backend, directory in self.directories:
+            for path in sorted(backend.cache_files(directory).glob("*/*.safetensors")):
+                if path.stem not in keep:
+                    found.append((path, regular_size(path) or 0))
+        return found
 
     def row(self, owner: str, parts: list[Document]) -> dict:
         """One document: id, title, chunks, tokens and cache bytes over its chunks."""
@@ -139,21 +182,29 @@ class Inventory:
             raise KeyError(doc_id)
         row = self.row(doc_id, parts)
         row["text"] = " ".join(d.text for d in parts)
-        row["parts"] = [{"id": d.id, "tokens": c.tokens, "cache": "encoded" if c.encoded else "not encoded (on first use)",
-                         "cache_bytes": c.bytes, "cache_files": [str(p.relative_to(self.root)) for p, _ in c.files],
-                         "text": d.text}
-                        for d, c in ((d, self.cache(d)) for d in parts)]
+        row["parts"] = []
+        for d in parts:
+            c = self.cache(d)
+            damage = c.damage()
+            state = "damaged" if damage else "encoded" if c.encoded else "not encoded (on first use)"
+            row["parts"].append({"id": d.id, "tokens": c.tokens, "cache": state, "cache_damage": damage,
+                                 "cache_bytes": c.bytes,
+                                 "cache_files": [str(p.relative_to(self.root)) for p in c.paths if os.path.lexists(p)],
+                                 "text": d.text})
         return row
 
     def stats(self) -> dict:
         """Documents, tokens and bytes by part; the KV budget's counters when the store has a budget."""
         rows = self.rows()
         state = state_dir(self.root, self.manifest)  # the generation the manifest names
+        orphans = self.orphans()
         parts = {"text": tree_bytes(state / DOCUMENTS) + tree_bytes(self.root / MANIFEST),
                  "retrieval": tree_bytes(state / RETRIEVERS_DIR),
-                 "caches": sum(tree_bytes(directory) for _, directory in self.directories)}
+                 "caches": sum(tree_bytes(directory) for _, directory in self.directories)
+                 - sum(size for _, size in orphans)}
         stats = {"documents": len(rows), "stored_chunks": len(self.documents), "tokens": sum(r["tokens"] for r in rows),
-                 "caches_encoded": sum(r["encoded"] for r in rows), "bytes": {**parts, "total": sum(parts.values())}}
+                 "caches_encoded": sum(r["encoded"] for r in rows), "bytes": {**parts, "total": sum(parts.values())},
+                 "orphans": {"files": len(orphans), "bytes": sum(size for _, size in orphans)}}
         for _, directory in self.directories:  # each cache directory its own budget
             budget = kv_budget_stats(self.root, self.manifest, directory)
             if budget is not None:
@@ -174,7 +225,7 @@ def kv_budget_stats(root: Path, manifest: dict, directory: Path) -> dict | None:
     for name in ("budget.json", "kv_budget.json", "usage.json", "stats.json"):
         path = directory / name
         try:
-            counters = json.loads(path.read_text())
+            counters = json.loads(read_regular(path))
         except (OSError, ValueError):
             continue
         if isinstance(counters, dict):

@@ -6,18 +6,17 @@ generation ``generations/<n>/`` that is never changed afterwards; ``manifest.jso
 atomically last, names the generation readers use. A reader reads the manifest once and then only
 files of that generation, so it sees the old state or the new one, never a mix. Stores written
 before generations keep their state at the top level (generation 0) until their next index run.
+The manifest is read and checked by ``manifest``, documents.jsonl by ``records``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..documents import Document
 from ..errors import DataError
-from ..fs import atomic_write_lines, recover_directory
+from ..fs import recover_directory
 from ..options import DEFAULT_STORAGE_DTYPE, EMBEDDED, is_embedded
 
 FORMAT = 1
@@ -70,7 +69,8 @@ class IndexSettings:
 
 
 def generation(manifest: dict) -> int:
-    return int(manifest.get("generation", 0))
+    """The generation a manifest names (checked to be a whole number: ``manifest.check_manifest``)."""
+    return manifest.get("generation", 0)
 
 
 def state_dir(root: Path, manifest: dict) -> Path:
@@ -82,50 +82,6 @@ def state_dir(root: Path, manifest: dict) -> Path:
 def legacy_chunked(manifest: dict) -> list[str]:
     """The owners of chunks a store wrote before chunks recorded their source (generation 0 only)."""
     return [] if generation(manifest) else list(manifest.get("chunked", []))
-
-
-def write_documents(documents: list[Document], path: Path, caches: dict[str, tuple[str, int]] | None = None) -> None:
-    """documents.jsonl; ``caches`` (id -> (content hash, tokens)) records what names each document's
-    cache files and how many tokens they hold, so that the store's metadata commands read them
-    without a tokenizer."""
-    caches = caches or {}
-
-    def record(d: Document) -> dict:
-        cache = {"cache": caches[d.id][0], "tokens": caches[d.id][1]} if d.id in caches else {}
-        return {"id": d.id, "title": d.title, "text": d.text, **({"source": d.source} if d.source else {}), **cache}
-
-    atomic_write_lines(path, (json.dumps(record(d), ensure_ascii=False) + "\n" for d in documents))
-
-
-def read_documents(path: Path, chunked: list[str] = (), caches: dict | None = None) -> list[Document]:
-    """The documents of a store; ``chunked`` (the manifest's list) names the owners of chunks
-    written before chunks recorded their source ("id#3"); ``caches``, when given, is filled with the
-    recorded (content hash, tokens) of each document that has them. A line that is not a whole
-    record (a file cut short, edited by hand) is a ``StoreError`` naming the file and the line."""
-    chunked = set(chunked)
-
-    def source(record: dict) -> str:
-        if "source" in record:
-            return record["source"]
-        legacy = LEGACY_CHUNK.match(record["id"])
-        return legacy.group(1) if legacy and legacy.group(1) in chunked else ""
-
-    documents = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                documents.append(Document(str(record["id"]), str(record["text"]), str(record.get("title") or ""),
-                                          str(source(record))))
-                if caches is not None and "cache" in record:
-                    caches[documents[-1].id] = (str(record["cache"]), int(record["tokens"]))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                what = f"missing field {exc}" if isinstance(exc, KeyError) else getattr(exc, "msg", None) or str(exc)
-                raise StoreError(f"{path}:{number}: not a whole document record ({what}): the file is damaged or cut "
-                                 "short; re-run pced index") from None
-    return documents
 
 
 def recover(root: Path) -> None:

@@ -5,12 +5,13 @@ except a document's KV cache encoded the first time it is retrieved from an on-d
 A reader reads ``manifest.json`` once and then only the files of the generation it names
 (``layout.state_dir``), which an index run never changes or removes while it is the current or
 the previous one; ``DocumentStore.changed()`` tells a long-lived reader (the server) that a newer
-generation was published."""
+generation was published. The caches its generators encode are written only for documents the
+current generation holds (``retention``)."""
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,10 @@ from ..documents import Candidate, Document
 from ..errors import UserError
 from ..kv.tier_settings import CacheTiers
 from ..options import AskOptions
-from .layout import (DOCUMENTS, FORMAT, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation, legacy_chunked,
-                     read_documents, recover, state_dir)
-from .manifest import check_manifest
+from .layout import DOCUMENTS, RETRIEVERS_DIR, IndexSettings, StoreError, generation, recover, state_dir
+from .manifest import read_manifest
+from .records import read_documents
+from .retention import CurrentDocuments
 
 if TYPE_CHECKING:  # the model stack loads when a question is asked, not when a store is opened
     from ..generator import Generator
@@ -42,6 +44,9 @@ class DocumentStore:
         self.settings = IndexSettings(**manifest["settings"])
         self.state = state_dir(root, manifest)  # this generation's documents.jsonl and retrievers/
         self.generation = generation(manifest)
+        recorded = {digest for digest, _ in self.cache_records.values()}
+        self.cache_writes = CurrentDocuments(root, self.generation,
+                                             recorded if len(self.cache_records) == len(documents) else None)
         self._retrievers, self._reranker = {}, None
         self._models: dict[tuple, object] = {}  # (backend's model key, path) -> its loaded model
         self._generators: dict[tuple, Generator] = {}  # (backend name, its settings) -> the store's generator
@@ -59,38 +64,30 @@ class DocumentStore:
         from ..retrieval.compose import index_dirs
 
         root = Path(root)
-        manifest_path = root / MANIFEST
-        if not manifest_path.is_file():
-            raise StoreError(f"{root} is not a pced store (no manifest.json); build it with pced index")
-        manifest: dict = {}
         for attempt in range(OPEN_ATTEMPTS):
+            manifest = read_manifest(root)  # the one checked reader of manifest.json
             try:
-                try:
-                    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-                except ValueError as exc:
-                    raise StoreError(f"{manifest_path}: not readable JSON ({exc}); re-run pced index") from exc
-                check_manifest(manifest_path, manifest)
                 if not generation(manifest):
                     recover(root)  # a store written before generations: undo a killed run's half swap
                 state = state_dir(root, manifest)
                 records: dict = {}
-                documents = read_documents(state / DOCUMENTS, legacy_chunked(manifest), records)
+                documents = read_documents(root, manifest, records)  # the one checked reader of documents.jsonl
                 ids = [d.id for d in documents]
                 settings = IndexSettings(**manifest["settings"])
-                mismatched = [name for name in index_dirs(settings.bge_m3)
-                              if load_doc_ids(state / RETRIEVERS_DIR / name) != ids]
-            except FileNotFoundError as exc:
-                if attempt + 1 < OPEN_ATTEMPTS and generation(manifest) != _current_generation(manifest_path):
+                listed = {name: load_doc_ids(state / RETRIEVERS_DIR / name) for name in index_dirs(settings.bge_m3)}
+            except (StoreError, ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+                if attempt + 1 < OPEN_ATTEMPTS and generation(manifest) != current_generation(root):
                     continue  # the generation was swept meanwhile: read the newer one
-                raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
-            except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
-                raise StoreError(f"{root}: damaged store ({exc}); re-run pced index") from exc
+                if isinstance(exc, StoreError):
+                    raise
+                # a retriever's id list: an index run rebuilds it from the documents
+                raise StoreError(f"{root}: damaged store ({exc}); {reindex_advice(root)}") from exc
             break
-        if manifest.get("format") != FORMAT:
-            raise StoreError(f"{root}: store format {manifest.get('format')} is not supported (expected {FORMAT})")
-        if mismatched:
-            raise StoreError(f"{root}: the {mismatched[0]} index does not match documents.jsonl (an interrupted pced index?); "
-                             "re-run it")
+        for name, listed_ids in listed.items():
+            if listed_ids != ids:
+                raise StoreError(f"{state / RETRIEVERS_DIR / name}: the {name} index lists {len(listed_ids)} documents, "
+                                 f"not the {len(ids)} of {state / DOCUMENTS}: the index is damaged; "
+                                 f"{reindex_advice(root)}")
         store = cls(root, manifest, documents, llm, generator, tiers, records)
         for model in store._models.values():
             store.check_model(model)
@@ -107,7 +104,7 @@ class DocumentStore:
 
     def changed(self) -> bool:
         """Whether an index run has published another generation since this one was opened."""
-        return _current_generation(self.root / MANIFEST) != self.generation
+        return current_generation(self.root) != self.generation
 
     def reopen(self) -> "DocumentStore":
         """The store's current generation, with this one's models, generators and cache tiers."""
@@ -169,12 +166,14 @@ class DocumentStore:
                 self.settings.storage_dtype, self.tiers, budget_bytes=gb_to_bytes(self.settings.kv_budget_gb),
                 on_demand=self.settings.on_demand, recorded_model_path=self.manifest["model"].get("path"),
                 backend=backend, settings=settings)
+            self._generators[key].guard_writes(self.cache_writes)
         return self._generators[key]
 
     def adopt(self, generator: Generator, model: str | None = None) -> None:
         """Answer with ``generator`` (its model and caches) on its backend from now on."""
         self._models.setdefault((generator.backend.model_key(generator.settings), model), generator.llm)
         self._generators[(generator.backend.name, generator.settings, model)] = generator
+        generator.guard_writes(self.cache_writes)
 
     @property
     def generator(self) -> Generator:
@@ -212,8 +211,16 @@ class DocumentStore:
                         documents=self.documents)
 
 
-def _current_generation(manifest_path: Path) -> int | None:
+def reindex_advice(root: Path) -> str:
+    """What repairs a store whose retrieval indexes are damaged: an index run rebuilds them from the
+    stored documents."""
+    return ("re-run pced index to rebuild its indexes from the stored documents: "
+            f"pced index CORPUS --out {shlex.quote(str(root))}")
+
+
+def current_generation(root: Path) -> int | None:
+    """The generation the store's manifest names now; None if it cannot be read."""
     try:
-        return generation(json.loads(manifest_path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return generation(read_manifest(root))
+    except (StoreError, OSError):
         return None

@@ -5,12 +5,13 @@ re-run skips what is stored. The new state (documents.jsonl and the retriever in
 a new generation folder and published by replacing manifest.json (``layout``); readers that opened
 the previous generation keep reading it. What the new state no longer needs is swept one run
 later: the generation before the previous one, and the caches neither the new nor the previous
-state references, so no reader of either ever finds a file gone.
+state references, so no reader of either ever finds a file gone. ``rebuild`` replaces whatever state
+the store had (a damaged manifest or document list) with the corpus given, keeping the caches it
+still names.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -23,12 +24,15 @@ from .. import __version__
 from ..backend import DEFAULT_BACKEND, get_backend
 from ..corpus.reader import CHUNK_ID, chunk_corpus
 from ..documents import Document
+from ..errors import DataError
 from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes
 from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
-                     legacy_chunked, read_documents, recover, state_dir, write_documents)
-from .lock import LOCK_FILE, writer_lock
-from .reader import DocumentStore
+                     recover)
+from .lock import CACHES_LOCK, LOCK_FILE, caches_lock, writer_lock
+from .manifest import read_manifest
+from .reader import DocumentStore, current_generation
+from .records import read_documents, write_documents
 
 if TYPE_CHECKING:
     from ..llm import LoadedModel
@@ -38,7 +42,8 @@ LARGE_CORPUS_BYTES = 2 * GB  # above this estimate of the caches' size, pced ind
 
 def index_store(corpus: list[Document], root: str | os.PathLike, settings: IndexSettings = IndexSettings(),
                 llm: LoadedModel | None = None, progress: bool = True, encode_kv: bool = True,
-                backend: str = DEFAULT_BACKEND, backend_settings=None) -> tuple[DocumentStore, dict]:
+                backend: str = DEFAULT_BACKEND, backend_settings=None,
+                rebuild: bool = False) -> tuple[DocumentStore, dict]:
     """Create or extend the store at ``root`` with ``corpus``; returns the opened store and a report.
 
     ``encode_kv=False`` (or ``settings.lazy_kv``, or a ``settings.kv_budget_gb``) builds the
@@ -50,14 +55,17 @@ def index_store(corpus: list[Document], root: str | os.PathLike, settings: Index
 
     ``backend`` (with its ``backend_settings``): whose document caches to encode, into its cache
     directory (``Backend.cache_dir``); documents and retrieval indexes are shared, so one store may
-    hold caches for several backends."""
+    hold caches for several backends.
+
+    ``rebuild``: the store holds ``corpus`` and nothing else afterwards, whatever its manifest and
+    documents.jsonl held or however they are damaged; the caches that still match are kept."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"{root} is not a directory")
     backend = get_backend(backend)
     with writer_lock(root):
         return _index_locked(corpus, root, settings, llm, progress, encode_kv, backend,
-                             backend.settings(backend_settings))
+                             backend.settings(backend_settings), rebuild)
 
 
 def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedModel | None = None) -> tuple[DocumentStore, dict]:
@@ -67,7 +75,7 @@ def remove_documents(root: str | os.PathLike, doc_ids: list[str], llm: LoadedMod
     that opened the store before keep answering from what they loaded. An id the store does not hold
     is a ``StoreError`` before anything changes."""
     root = Path(root)
-    if not (root / MANIFEST).is_file():
+    if not os.path.lexists(root / MANIFEST):
         raise StoreError(f"{root} is not a pced store (no manifest.json)")
     with writer_lock(root):
         return _remove_locked(root, list(doc_ids), llm)
@@ -101,13 +109,14 @@ def _remove_locked(root: Path, remove: list[str], llm) -> tuple[DocumentStore, d
 
 
 def _index_locked(corpus: list[Document], root: Path, settings: IndexSettings, llm: LoadedModel | None,
-                  progress: bool, encode_kv: bool, backend, backend_settings) -> tuple[DocumentStore, dict]:
+                  progress: bool, encode_kv: bool, backend, backend_settings,
+                  rebuild: bool) -> tuple[DocumentStore, dict]:
     from ..generator import Generator
 
     reserved = [d.id for d in corpus if not d.source and CHUNK_ID.search(d.id)]
     if reserved:
         raise StoreError(f"document id {reserved[0]!r} ends in '#chunk-<n>', which pced reserves for chunks; rename it")
-    previous = _previous(root, settings)
+    previous = _previous(root, settings, rebuild)
     if previous is not None and settings.kv_budget_gb is None:
         settings = replace(settings, kv_budget_gb=previous.settings.kv_budget_gb)
     settings = replace(settings, lazy_kv=settings.lazy_kv or not encode_kv)
@@ -182,13 +191,19 @@ def _publish(root: Path, previous: DocumentStore | None, merged: list[Document],
     from ..retrieval.compose import build_indexes, describe_indexes
 
     started = time.perf_counter()
-    number = generation(previous.manifest) + 1 if previous else 1
+    # a new or rebuilt store numbers past every folder, so that no reader's generation is reused
+    number = generation(previous.manifest) + 1 if previous else 1 + max(_generation_folders(root), default=0)
     target = root / GENERATIONS_DIR / str(number)
     if target.exists():  # a killed run got this far; no manifest names it, so no reader uses it
         shutil.rmtree(target)
     with staging_dir(target) as staging:
         (staging / RETRIEVERS_DIR).mkdir()
-        reuse = (previous.retriever("dense"), previous.documents) if previous and not settings.bge_m3 else None
+        reuse = None
+        if previous and not settings.bge_m3:
+            try:
+                reuse = (previous.retriever("dense"), previous.documents)
+            except (DataError, OSError):  # a damaged dense index is built again, not reused
+                reuse = None
         build_indexes(staging / RETRIEVERS_DIR, merged, settings.bge_m3, settings.dense_model, reuse, progress=progress)
         write_documents(merged, staging / DOCUMENTS, records)
         os.replace(staging, target)
@@ -206,8 +221,9 @@ def _publish(root: Path, previous: DocumentStore | None, merged: list[Document],
         "retrievers": describe_indexes(target / RETRIEVERS_DIR, settings.bge_m3),
         "kv_bytes_per_token": kv_bytes_per_token,
     }
+    replaced = generation(previous.manifest) if previous else current_generation(root)
     atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
-    swept = _sweep_generations(root, keep={number, generation(previous.manifest) if previous else number})
+    swept = _sweep_generations(root, keep={number, number if replaced is None else replaced})
     return number, retrieval_s, swept
 
 
@@ -252,12 +268,18 @@ def remove_unreferenced(root: Path, keep: set[str]) -> int:
     from .inventory import cache_directories
 
     removed = 0
-    for backend, directory in cache_directories(root):
-        for path in backend.cache_files(directory).glob("*/*.safetensors"):
-            if path.stem not in keep:
-                path.unlink(missing_ok=True)
-                removed += 1
+    with caches_lock(root):  # after the manifest is published: a reader's cache write sees the new generation
+        for backend, directory in cache_directories(root):
+            for path in backend.cache_files(directory).glob("*/*.safetensors"):
+                if path.stem not in keep:
+                    path.unlink(missing_ok=True)
+                    removed += 1
     return removed
+
+
+def _generation_folders(root: Path) -> list[int]:
+    folder = root / GENERATIONS_DIR
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
 
 
 def _sweep_generations(root: Path, keep: set[int]) -> int:
@@ -293,20 +315,24 @@ def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[st
     return {d.id for i in requested for d in groups[i]}
 
 
-def _previous(root: Path, settings: IndexSettings) -> DocumentStore | None:
-    """The store already at ``root`` (its settings must match), or None for a new one."""
-    if (root / MANIFEST).is_file():
-        old = json.loads((root / MANIFEST).read_text())
+def _previous(root: Path, settings: IndexSettings, rebuild: bool = False) -> DocumentStore | None:
+    """The store already at ``root`` (its settings must match), or None for a new one or a rebuild.
+    Its manifest and documents are read the way every command reads them (``read_manifest``,
+    ``read_documents``): damage is one line naming the file, before anything is written."""
+    if os.path.lexists(root / MANIFEST):
+        if rebuild:
+            return None
+        old = read_manifest(root)
         if IndexSettings(**old["settings"]).identity() != settings.identity():
             raise StoreError(
                 f"{root} was built with {IndexSettings(**old['settings']).identity()}; this run asks for "
                 f"{settings.identity()}: use another --out or the same model/retriever settings"
             )
         records: dict = {}
-        documents = read_documents(state_dir(root, old) / DOCUMENTS, legacy_chunked(old), records)
+        documents = read_documents(root, old, records)
         return DocumentStore(root, old, documents, cache_records=records)
-    if root.exists() and any(p for p in root.iterdir() if p.name not in ("kv", RETRIEVERS_DIR, GENERATIONS_DIR, LOCK_FILE)
-                             and not p.name.startswith(TEMP_PREFIX)):
+    ours = ("kv", RETRIEVERS_DIR, GENERATIONS_DIR, LOCK_FILE, CACHES_LOCK)
+    if root.exists() and any(p for p in root.iterdir() if p.name not in ours and not p.name.startswith(TEMP_PREFIX)):
         raise StoreError(f"{root} exists and is not a pced store; choose an empty or new --out directory")
     return None
 

@@ -76,10 +76,15 @@ class LlamaCppBackend(Backend):
     def cache_files(self, directory: Path) -> Path:
         return Path(directory) / "seq"
 
-    def verify_caches(self, directory: Path, remove: bool = False) -> dict:
+    def verify_caches(self, directory: Path, remove: bool = False, referenced: set[str] | None = None) -> dict:
         from .verify import verify_state_dir
 
-        return verify_state_dir(Path(directory), remove=remove)
+        return verify_state_dir(Path(directory), remove=remove, referenced=referenced)
+
+    def check_cache(self, directory: Path, path: Path, digest: str) -> dict:
+        from .verify import check_state_bytes
+
+        return check_state_bytes(Path(directory), path, digest)
 
     # -- a question -----------------------------------------------------------------------
     def expert_rows(self, generator: Any, candidates: list, question: str, sampling: Any, rule: Any,

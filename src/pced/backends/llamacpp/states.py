@@ -122,9 +122,12 @@ class StateStore:
 
     def load(self, digest: str) -> SeqState:
         path = self.path_for(digest)
-        if not path.is_file() and not self.use.encode_again(digest, self._encode):
-            raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
-        return self._read(path, digest, None)
+        held = self.use.take(digest)  # encoded for a document its store no longer holds (CacheUse.write_guard)
+        if held is None and not path.is_file():
+            if not self.use.encode_again(digest, self._encode):
+                raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
+            held = self.use.take(digest)
+        return held if held is not None else self._read(path, digest, None)
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> SeqState:
         fix = "remove it and re-index (pced index --backend llamacpp)"
@@ -173,7 +176,8 @@ class StateStore:
             for start in range(0, len(items), batch_size):
                 chunk = [(digest, self.builder.encode(text)) for digest, text in items[start : start + batch_size]]
                 for (digest, ids), data in zip(chunk, encode_states(self.llm, prefix, [ids for _, ids in chunk])):
-                    self._save(data, digest, len(ids), self.path_for(digest))
+                    self.use.keep(digest, SeqState(data, len(ids)),
+                                  lambda: self._save(data, digest, len(ids), self.path_for(digest)))
                 bar.update(len(chunk))
 
     def stats(self) -> dict:

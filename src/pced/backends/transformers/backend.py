@@ -55,10 +55,15 @@ class TransformersBackend(Backend):
     def cache_files(self, directory: Path) -> Path:
         return Path(directory) / KV_DIR
 
-    def verify_caches(self, directory: Path, remove: bool = False) -> dict:
+    def verify_caches(self, directory: Path, remove: bool = False, referenced: set[str] | None = None) -> dict:
         from ...kv.format import verify_cache_dir
 
-        return verify_cache_dir(Path(directory), remove=remove)
+        return verify_cache_dir(Path(directory), remove=remove, referenced=referenced)
+
+    def check_cache(self, directory: Path, path: Path, digest: str) -> dict:
+        from ...kv.file_check import check_cache_bytes, read_identity
+
+        return check_cache_bytes(path, read_identity(Path(directory), "kvstore.json", recorded=("model",)), digest)
 
     def cache_estimate(self, model: Any, storage_dtype: str, token_counts: list[int]) -> dict | None:
         """Keys and values of every layer and key-value head per token (int8 adds a float32 scale per

@@ -1,0 +1,55 @@
+"""Which document caches a store keeps: those of the documents its current generation holds.
+
+Caches live beside the generations, shared by all of them, and a reader may encode one while it
+answers (an on-demand store, a cache evicted or swept meanwhile). A reader still answering from an
+older generation must not write back the cache of a document the current generation no longer
+holds (``pced store remove``, a document replaced): the writer has swept it, and nothing would
+remove it again until the next index run. ``CurrentDocuments`` is the guard a store's generators
+write through (``Generator.guard_writes``): under the store's cache lock, the one the writer's sweep
+takes after it publishes, a cache is written only if the current generation records its content
+hash; else the reader uses it from memory for that answer."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from .layout import StoreError, generation
+from .lock import caches_lock
+from .manifest import read_manifest
+from .records import read_documents
+
+
+class CurrentDocuments:
+    """``guard(digest)``: a context manager yielding whether the store at ``root`` may keep that
+    cache now, holding the cache lock while the caller writes. ``known``: the content hashes of a
+    generation already read (None where some document has no recorded hash: a store written before
+    the records, whose own generation may then write every cache)."""
+
+    def __init__(self, root: Path, number: int, known: set[str] | None):
+        self.root = Path(root)
+        self._known: dict[int, set[str] | None] = {number: known}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, digest: str) -> Iterator[bool]:
+        with caches_lock(self.root):
+            yield self._holds(digest)
+
+    def _holds(self, digest: str) -> bool:
+        try:
+            manifest = read_manifest(self.root)
+            number = generation(manifest)
+            with self._lock:
+                digests = self._known.get(number, ())
+            if digests == ():
+                records: dict = {}
+                documents = read_documents(self.root, manifest, records)
+                digests = {d for d, _ in records.values()} if len(records) == len(documents) else None
+                with self._lock:
+                    self._known = {**dict(list(self._known.items())[-1:]), number: digests}
+        except (StoreError, OSError):  # damaged or being replaced: keep the cache in memory, write nothing
+            return False
+        return digests is None or digest in digests

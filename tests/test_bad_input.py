@@ -170,11 +170,11 @@ def test_a_hotpotqa_file_of_the_wrong_shape_is_named_by_pced_eval(tmp_path, tiny
     path.write_text(json.dumps(rows))  # no supporting_facts
     code = main(["eval", "--dataset", "hotpotqa", "--data-dir", str(data), "--limit", "1", "--model", str(tiny_model_dir),
                  "--out", str(tmp_path / "out"), "--no-progress"])
-    one_line_error(capsys, code, f"{path}: not a HotpotQA file: a record has no field 'supporting_facts'")
+    one_line_error(capsys, code, f"{path}: question 0: field 'supporting_facts' is missing")
     path.write_text(json.dumps([{**rows[0], "supporting_facts": [["Zorblax"]]}]))  # a pair cut short
     code = main(["eval", "--dataset", "hotpotqa", "--data-dir", str(data), "--limit", "1", "--model", str(tiny_model_dir),
                  "--out", str(tmp_path / "out"), "--no-progress"])
-    one_line_error(capsys, code, f"{path}: not a HotpotQA file: a record has an unexpected shape")
+    one_line_error(capsys, code, f"{path}: question 0: field 'supporting_facts[0]' must be a [title, sentence index] pair")
 
 
 @pytest.mark.parametrize("digits", [401, 5000])

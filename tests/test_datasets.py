@@ -352,7 +352,7 @@ def test_directory_without_expected_files(tmp_path):
 def test_bad_files_and_arguments(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "q", "answers": ["a"]}\n')
-    with pytest.raises(DatasetError, match="lacks context"):
+    with pytest.raises(DatasetError, match="bad.jsonl:1: field 'context' is missing"):
         load_dataset(bad)
     bad.write_text("not json\n")
     with pytest.raises(DatasetError, match="not JSON"):

@@ -90,7 +90,7 @@ def test_a_cut_short_documents_file_is_one_line_naming_the_file_and_line(store, 
 
 @pytest.mark.parametrize("field, value, message", [
     ("question", 42, "field 'question' must be a non-empty string, got 42"),
-    ("answer", None, "field 'answer' must be a string, got None"),
+    ("answer", None, "field 'answer' must be a string, got null"),
     ("context", "Oskvale is a town.", "field 'context' must be a list"),
 ])
 def test_eval_refuses_a_malformed_hotpotqa_file_before_building_a_store(tmp_path, tiny_model_dir, capsys, field, value,

@@ -21,12 +21,26 @@ from pced.documents import Document
 from pced.evaluation.loft import load_loft_dir
 from pced.evaluation.longbench import load_longbench
 from pced.evaluation.metrics import METRICS, score
+from pced.evaluation.kinds import (
+    BOOLEAN,
+    INTEGER,
+    NAME,
+    OBJECT,
+    STRING,
+    TEXT,
+    Kind,
+    check,
+    check_each,
+    list_of,
+    pair,
+    record,
+    table_of,
+)
 from pced.evaluation.records import (
     Dataset,
     DatasetError,
     Example,
     example_rng,
-    expected_shape,
     format_exemplar,
     read_json,
     read_jsonl,
@@ -211,53 +225,38 @@ def _take(rows: list[Any], limit: int | None) -> list[Any]:
 # --------------------------------------------------------------------------- HotpotQA
 
 
-KIND_NAMES = {str: "a string", list: "a list", dict: "an object", int: "an integer"}
+_SENTENCES = list_of(STRING)
+HOTPOTQA_QUESTION = record(
+    {"_id": NAME, "question": TEXT, "answer": STRING,
+     "context": list_of(pair((STRING, _SENTENCES), "a [title, [sentence, ...]] pair"),
+                        "a list of [title, [sentence, ...]] pairs"),
+     "supporting_facts": list_of(pair((STRING, INTEGER), "a [title, sentence index] pair"),
+                                 "a list of [title, sentence index] pairs")},
+    {"type": STRING, "level": STRING}, expected="a HotpotQA question (an object)")
+HOTPOTQA_CORPUS = table_of(_SENTENCES, "an object of title: [sentence, ...]")
 
 
-def check_fields(where: str, record: object, kinds: dict[str, type]) -> None:
-    """One line naming the record and the field when a record lacks a field or holds the wrong kind
-    of value (a question that is a number, an answer that is null): refused before any store is
-    built, never a traceback halfway through a run."""
-    if not isinstance(record, dict):
-        raise DatasetError(f"{where}: expected an object, found {type(record).__name__}")
-    for name, kind in kinds.items():
-        if name not in record:
-            raise KeyError(name)  # expected_shape: "a record has no field ..."
-        value = record[name]
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and name == "question" and not value.strip()):
-            shown = "an empty string" if value == "" else f"{value!r:.40}"
-            raise DatasetError(f"{where}: field {name!r} must be {'a non-empty string' if name == 'question' else KIND_NAMES[kind]}, "
-                               f"got {shown}")
+def _questions(path: Path | str, rows: Any, kind: Kind) -> list[dict]:
+    return check_each(str(path), rows, kind, expected="a JSON array of questions", label="question")
 
 
 def load_hotpotqa(root: Path, *, setting: str = "distractor", limit: int | None = None) -> Dataset:
     """HotpotQA (distractor split format). A paragraph's text is its sentences joined as
     given (they carry their own leading spaces); its id is its title."""
     path = _data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_100.json")
-    rows = read_json(path)
+    examples = _hotpotqa_examples(read_json(path), setting, limit, path)
     corpus = None
     if setting == "corpus":
         corpus_path = _data_file(root, "hotpotqa", "hotpotqa", "hotpotqa_train_corpus.json")
-        with expected_shape(corpus_path, "HotpotQA corpus"):
-            table = read_json(corpus_path)
-            corpus = [Document(id=t, text="".join(s).strip(), title=t) for t, s in table.items()]
-    with expected_shape(path, "HotpotQA"):
-        examples = _hotpotqa_examples(rows, setting, limit, path)
+        table = check(str(corpus_path), read_json(corpus_path), HOTPOTQA_CORPUS)
+        corpus = [Document(id=t, text="".join(s).strip(), title=t) for t, s in table.items()]
     return Dataset(name="hotpotqa", task="rag", metric="subspan_em", examples=examples,
                    corpus=corpus, setting=setting)
 
 
-def _hotpotqa_examples(rows: list, setting: str, limit: int | None, path: Path | str = "HotpotQA") -> list[Example]:
-    if not isinstance(rows, list):
-        raise DatasetError(f"{path}: not a HotpotQA file: expected a JSON array of questions, found {type(rows).__name__}")
+def _hotpotqa_examples(rows: Any, setting: str, limit: int | None, path: Path | str = "HotpotQA") -> list[Example]:
     examples = []
-    for number, row in enumerate(_take(rows, limit)):
-        where = f"{path}: question {number}"
-        check_fields(where, row, {"_id": str, "question": str, "answer": str, "context": list, "supporting_facts": list})
-        for i, paragraph in enumerate(row["context"]):
-            if not (isinstance(paragraph, list) and len(paragraph) == 2 and isinstance(paragraph[0], str)
-                    and isinstance(paragraph[1], list) and all(isinstance(x, str) for x in paragraph[1])):
-                raise DatasetError(f"{where}: context[{i}] must be [title, [sentence, ...]], got {paragraph!r:.60}")
+    for row in _take(_questions(path, rows, HOTPOTQA_QUESTION), limit):
         gold = list(dict.fromkeys(title for title, _ in row["supporting_facts"]))
         documents = [] if setting == "corpus" else [
             Document(id=title, text="".join(sentences).strip(), title=title)
@@ -275,32 +274,33 @@ def _hotpotqa_examples(rows: list, setting: str, limit: int | None, path: Path |
 # --------------------------------------------------------------------------- MuSiQue
 
 
+MUSIQUE_QUESTION = record(
+    {"id": NAME, "question": TEXT, "answer": STRING,
+     "paragraphs": list_of(record({"title": STRING, "paragraph_text": STRING}, {"is_supporting": BOOLEAN}))},
+    {"answer_aliases": list_of(STRING), "answerable": BOOLEAN, "question_decomposition": list_of(OBJECT)},
+    expected="a MuSiQue question (an object)")
+PASSAGE = record({"title": STRING, "text": STRING}, expected="a {title, text} passage")
+
+
 def load_musique(root: Path, *, setting: str = "distractor", limit: int | None = None) -> Dataset:
     """MuSiQue-Ans. Titles repeat in its corpus (85 titles name 2-6 different paragraphs), so
     ids are :func:`content_doc_id` values, identical in both settings."""
     path = _data_file(root, "musique", "musique", "musique_train_100.json")
-    rows = read_json(path)
+    examples = _musique_examples(read_json(path), setting, limit, path)
     corpus = None
     if setting == "corpus":
         corpus_path = _data_file(root, "musique", "musique", "musique_train_corpus.json")
-        with expected_shape(corpus_path, "MuSiQue corpus"):
-            corpus = [Document(id=content_doc_id(p["title"], p["text"]), text=p["text"],
-                               title=p["title"]) for p in read_json(corpus_path)]
-    with expected_shape(path, "MuSiQue"):
-        examples = _musique_examples(rows, setting, limit, path)
+        passages = check_each(str(corpus_path), read_json(corpus_path), PASSAGE,
+                              expected="a JSON array of passages", label="passage")
+        corpus = [Document(id=content_doc_id(p["title"], p["text"]), text=p["text"], title=p["title"])
+                  for p in passages]
     return Dataset(name="musique", task="rag", metric="subspan_em", examples=examples,
                    corpus=corpus, setting=setting)
 
 
-def _musique_examples(rows: list, setting: str, limit: int | None, path: Path | str = "MuSiQue") -> list[Example]:
-    if not isinstance(rows, list):
-        raise DatasetError(f"{path}: not a MuSiQue file: expected a JSON array of questions, found {type(rows).__name__}")
+def _musique_examples(rows: Any, setting: str, limit: int | None, path: Path | str = "MuSiQue") -> list[Example]:
     examples = []
-    for number, row in enumerate(_take(rows, limit)):
-        where = f"{path}: question {number}"
-        check_fields(where, row, {"id": str, "question": str, "answer": str, "paragraphs": list})
-        for i, paragraph in enumerate(row["paragraphs"]):
-            check_fields(f"{where}: paragraphs[{i}]", paragraph, {"title": str, "paragraph_text": str})
+    for row in _take(_questions(path, rows, MUSIQUE_QUESTION), limit):
         paragraphs = [Document(id=content_doc_id(p["title"], p["paragraph_text"]),
                                text=p["paragraph_text"], title=p["title"])
                       for p in row["paragraphs"]]
@@ -309,7 +309,7 @@ def _musique_examples(rows: list, setting: str, limit: int | None, path: Path | 
         hops = row["id"][0] if row["id"][:1].isdigit() else None
         examples.append(Example(
             id=row["id"], question=row["question"],
-            answers=list(dict.fromkeys([row["answer"], *row.get("answer_aliases", [])])),
+            answers=list(dict.fromkeys([row["answer"], *(row.get("answer_aliases") or [])])),
             documents=[] if setting == "corpus" else paragraphs, gold_doc_ids=gold,
             metadata={"hops": int(hops) if hops else None,
                       "answerable": row.get("answerable", True),
@@ -321,18 +321,21 @@ def _musique_examples(rows: list, setting: str, limit: int | None, path: Path | 
 # --------------------------------------------------------------------------- NQ
 
 
+NQ_QUESTION = record({"question": TEXT, "answers": list_of(STRING, min_len=1),
+                      "ctxs": list_of(PASSAGE, "a non-empty list of {title, text} passages", min_len=1)},
+                     expected="a Natural Questions question (an object)")
+
 def load_nq(root: Path, *, setting: str = "corpus", limit: int | None = None) -> Dataset:
     """Natural Questions (open) with only gold passages: the corpus is every question's gold
     passage, so for each question the others' passages are the distractors (LOFT-like).
     Identical (title, text) passages are stored once (2,655 questions -> 2,600 passages).
     The "distractor" setting gives each question just its own gold passage (an oracle)."""
     path = _data_file(root, "nq", "nq", "nq-open-oracle.jsonl.gz")
-    rows = read_jsonl(path)
-    with expected_shape(path, "Natural Questions"):
-        return _nq_dataset(rows, setting, limit)
+    return _nq_dataset([check(f"{path}:{number}", row, NQ_QUESTION) for number, row in read_jsonl(path)],
+                       setting, limit)
 
 
-def _nq_dataset(rows: list, setting: str, limit: int | None) -> Dataset:
+def _nq_dataset(rows: list[dict], setting: str, limit: int | None) -> Dataset:
     passages: dict[str, Document] = {}
     gold_ids: list[str] = []
     for row in rows:
@@ -342,7 +345,7 @@ def _nq_dataset(rows: list, setting: str, limit: int | None) -> Dataset:
         passages.setdefault(doc.id, doc)
         gold_ids.append(doc.id)
     examples = [
-        Example(id=f"nq-{i}", question=row["question"], answers=list(row["answers"]),
+        Example(id=f"nq-{i}", question=row["question"], answers=row["answers"],
                 documents=[passages[gold_ids[i]]] if setting == "distractor" else [],
                 gold_doc_ids=[gold_ids[i]], metadata={})
         for i, row in enumerate(_take(rows, limit))
@@ -355,31 +358,32 @@ def _nq_dataset(rows: list, setting: str, limit: int | None) -> Dataset:
 # --------------------------------------------------------------------------- BBH (ICL)
 
 
+_BBH_EXAMPLE = record({"input": STRING, "target": STRING}, expected="an {input, target} object")
+BBH_FILE = record({"examples": list_of(_BBH_EXAMPLE, "a non-empty list of {input, target} objects", min_len=1)},
+                  expected="a BIG-Bench-Hard task (an object)")
+
+
 def load_bbh(root: Path, name: str, *, limit: int | None = None, seed: int = 42,
              n_exemplars: int = 16) -> Dataset:
     """A BIG-Bench-Hard task as ICL: each exemplar is one document (one PCED expert), drawn
     without replacement from the task's OTHER examples with a per-example seeded generator."""
     file_name = BBH_TASKS[name]
     path = _data_file(root, name, "bbh", file_name)
-    data = read_json(path)
-    rows = data.get("examples") if isinstance(data, dict) else None
-    if not rows:
-        raise DatasetError(f"{name}: {file_name} has no 'examples' list")
+    rows = check(str(path), read_json(path), BBH_FILE)["examples"]
     if not 0 <= n_exemplars < len(rows):
         raise DatasetError(
             f"{name}: n_exemplars must be in [0, {len(rows) - 1}], got {n_exemplars}")
-    with expected_shape(path, name):
-        task = Path(file_name).stem
-        exemplars = [Document(id=f"{task}-{i}", text=format_exemplar(r["input"], r["target"]))
-                     for i, r in enumerate(rows)]
-        examples = []
-        for i, row in enumerate(_take(rows, limit)):
-            others = [j for j in range(len(rows)) if j != i]
-            picked = example_rng(seed, i).sample(others, n_exemplars)
-            examples.append(Example(
-                id=f"{task}-{i}", question=row["input"], answers=[row["target"]],
-                documents=[exemplars[j] for j in picked], gold_doc_ids=[],
-                metadata={"task": task},
-            ))
+    task = Path(file_name).stem
+    exemplars = [Document(id=f"{task}-{i}", text=format_exemplar(r["input"], r["target"]))
+                 for i, r in enumerate(rows)]
+    examples = []
+    for i, row in enumerate(_take(rows, limit)):
+        others = [j for j in range(len(rows)) if j != i]
+        picked = example_rng(seed, i).sample(others, n_exemplars)
+        examples.append(Example(
+            id=f"{task}-{i}", question=row["input"], answers=[row["target"]],
+            documents=[exemplars[j] for j in picked], gold_doc_ids=[],
+            metadata={"task": task},
+        ))
     return Dataset(name=name, task="icl", metric="icl_em", examples=examples, corpus=None,
                    setting="exemplars")

@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any
 
 from pced.documents import Document
+from pced.evaluation.kinds import NAME, NUMBER, STRING, Kind, check, check_each, list_of, one_of, pair, record
 from pced.evaluation.records import (
     Dataset,
     DatasetError,
@@ -35,6 +35,17 @@ from pced.evaluation.records import (
 __all__ = ["load_loft_dir", "loft_task_kind"]
 
 _SPLIT_PREFERENCE = ("test", "dev")
+PASSAGE = record({"pid": NAME, "passage_text": STRING}, {"title_text": STRING},
+                 expected="a LOFT passage (an object)")
+_ANSWERS = list_of(STRING, min_len=1)
+QUERY = record(
+    {"qid": NAME, "query_text": STRING,
+     "answers": one_of(STRING, _ANSWERS, list_of(_ANSWERS, min_len=1),
+                       expected="a non-empty list of strings (or one such list per turn)")},
+    {"metadata": record({}, {"qrels": list_of(pair((NAME, NUMBER), "a [pid, relevance] pair", required=1),
+                                              "a list of [pid, relevance] pairs")})},
+    expected="a LOFT query (an object)")
+EXEMPLAR = record({"input": STRING, "target": STRING}, expected="an {input, target} object")
 
 
 def loft_task_kind(path: Path) -> str:
@@ -77,18 +88,20 @@ def _dataset_name(path: Path) -> str:
     return f"loft:{name}"
 
 
-def _flatten_answers(qid: str, answers: Any) -> list[str]:
+def _flatten_answers(where: str, answers: str | list) -> list[str]:
+    """A checked ``answers`` value as one list of strings: one string, or one turn unwrapped."""
     if isinstance(answers, str):
         return [answers]
-    if not isinstance(answers, list):
-        raise DatasetError(
-            f"LOFT query {qid}: answers must be a list, got {type(answers).__name__}")
-    if answers and all(isinstance(a, list) for a in answers):
+    if isinstance(answers[0], list):
         if len(answers) != 1:
-            raise DatasetError(f"LOFT query {qid}: {len(answers)} answer turns; multi-turn "
+            raise DatasetError(f"{where}: {len(answers)} answer turns; multi-turn "
                                "LOFT tasks are not supported")
-        answers = answers[0]
-    return [str(a) for a in answers]
+        return answers[0]
+    return answers
+
+
+def _checked_lines(path: Path, kind: Kind) -> list[tuple[str, dict]]:
+    return [(f"{path}:{number}", check(f"{path}:{number}", row, kind)) for number, row in read_jsonl(path)]
 
 
 def load_loft_dir(path: Path, *, limit: int | None = None, split: str | None = None) -> Dataset:
@@ -96,28 +109,20 @@ def load_loft_dir(path: Path, *, limit: int | None = None, split: str | None = N
     if not (path / "corpus.jsonl").is_file():
         return _load_loft_icl_json(path, limit=limit, split=split)
     queries_path = _queries_file(path, split, ".jsonl")
-    corpus: list[Document] = []
-    for row in read_jsonl(path / "corpus.jsonl"):
-        try:
-            corpus.append(Document(id=str(row["pid"]).strip(),
-                                   text=str(row["passage_text"]).strip(),
-                                   title=str(row.get("title_text") or "").strip()))
-        except KeyError as exc:
-            raise DatasetError(f"{path / 'corpus.jsonl'}: a line lacks {exc}") from None
+    corpus = [Document(id=row["pid"].strip(), text=row["passage_text"].strip(),
+                       title=(row.get("title_text") or "").strip())
+              for _, row in _checked_lines(path / "corpus.jsonl", PASSAGE)]
     if not corpus:
         raise DatasetError(f"{path / 'corpus.jsonl'} is empty")
+    rows = _checked_lines(queries_path, QUERY)
     known = {doc.id for doc in corpus}
     kind = loft_task_kind(path)
     examples, missing = [], 0
-    rows = read_jsonl(queries_path)
-    for row in rows if limit is None else rows[:limit]:
-        try:
-            qid, question = str(row["qid"]), str(row["query_text"]).strip()
-            answers = _flatten_answers(qid, row["answers"])
-        except KeyError as exc:
-            raise DatasetError(f"{queries_path}: a line lacks {exc}") from None
+    for where, row in rows if limit is None else rows[:limit]:
+        qid, question = row["qid"], row["query_text"].strip()
+        answers = _flatten_answers(where, row["answers"])
         qrels = (row.get("metadata") or {}).get("qrels") or []
-        gold = list(dict.fromkeys(str(pid).strip() for pid, *rel in qrels if not rel or rel[0]))
+        gold = list(dict.fromkeys(pid.strip() for pid, *rel in qrels if not rel or rel[0]))
         missing += sum(1 for pid in gold if pid not in known)
         examples.append(Example(
             id=qid, question=question, answers=answers,
@@ -139,18 +144,17 @@ def load_loft_dir(path: Path, *, limit: int | None = None, split: str | None = N
 def _load_loft_icl_json(path: Path, *, limit: int | None, split: str | None) -> Dataset:
     """LOFT's BBH layout: ``corpus.json`` (the support set) and ``{split}_queries.json``; the
     gold answer is the target, the exemplars are formatted as in the BBH loader."""
-    support = read_json(path / "corpus.json")
-    queries = read_json(_queries_file(path, split, ".json"))
-    if not isinstance(support, list) or not isinstance(queries, list):
-        raise DatasetError(f"LOFT ICL dir {path}: corpus.json and queries must be JSON lists")
-    try:
-        exemplars = [Document(id=f"support_{i}", text=format_exemplar(s["input"], s["target"]))
-                     for i, s in enumerate(support)]
-        examples = [Example(id=f"query_{i}", question=q["input"], answers=[q["target"]],
-                            documents=list(exemplars), gold_doc_ids=[], metadata={})
-                    for i, q in enumerate(queries if limit is None else queries[:limit])]
-    except (KeyError, TypeError) as exc:
-        raise DatasetError(
-            f"LOFT ICL dir {path}: items need 'input' and 'target' ({exc})") from None
+    support = _checked_items(path / "corpus.json")
+    queries = _checked_items(_queries_file(path, split, ".json"))
+    exemplars = [Document(id=f"support_{i}", text=format_exemplar(s["input"], s["target"]))
+                 for i, s in enumerate(support)]
+    examples = [Example(id=f"query_{i}", question=q["input"], answers=[q["target"]],
+                        documents=list(exemplars), gold_doc_ids=[], metadata={})
+                for i, q in enumerate(queries if limit is None else queries[:limit])]
     return Dataset(name=_dataset_name(path), task="icl", metric="icl_em", examples=examples,
                    corpus=None, setting="exemplars")
+
+
+def _checked_items(path: Path) -> list[dict]:
+    return check_each(str(path), read_json(path), EXEMPLAR, expected="a JSON list of {input, target} objects",
+                      label="item")

@@ -18,6 +18,7 @@ import hashlib
 from pathlib import Path
 
 from pced.documents import Document
+from pced.evaluation.kinds import INTEGER, STRING, STRINGS, check, list_of, one_of, record
 from pced.evaluation.records import Dataset, DatasetError, Example, example_rng, read_jsonl
 
 __all__ = ["LONGBENCH_METRICS", "load_longbench", "longbench_metric"]
@@ -32,7 +33,11 @@ LONGBENCH_METRICS: dict[str, str] = {
 }
 _FIRST_LINE_ONLY = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 _NEEDS_JIEBA = frozenset({"multifieldqa_zh", "dureader", "vcsum", "passage_retrieval_zh"})
-_REQUIRED = ("input", "context", "answers")
+SAMPLE = record(
+    {"input": STRING, "context": STRING,
+     "answers": one_of(STRING, list_of(STRING, min_len=1), expected="a non-empty list of strings")},
+    optional={"_id": STRING, "dataset": STRING, "all_classes": STRINGS, "length": INTEGER},
+    expected="a LongBench sample (an object)")
 
 
 def longbench_metric(dataset: str) -> str:
@@ -63,14 +68,9 @@ def load_longbench(path: Path, *, limit: int | None = None, seed: int = 42,
                    n_distractors: int = 2) -> Dataset:
     """Load a LongBench ``.jsonl`` (or a directory holding exactly one) with distractors."""
     file = _longbench_file(path)
-    rows = read_jsonl(file)
+    rows = [check(f"{file}:{number}", row, SAMPLE) for number, row in read_jsonl(file)]
     if not rows:
         raise DatasetError(f"{file}: no samples")
-    for number, row in enumerate(rows, 1):
-        lacking = [key for key in _REQUIRED if key not in row]
-        if lacking:
-            raise DatasetError(f"{file}:{number}: not a LongBench sample (lacks "
-                               f"{', '.join(lacking)})")
     stem = file.name.split(".")[0]
     dataset = str(rows[0].get("dataset") or (stem[:-2] if stem.endswith("_e") else stem))
     metric = longbench_metric(dataset)
@@ -90,8 +90,8 @@ def load_longbench(path: Path, *, limit: int | None = None, seed: int = 42,
         rng.shuffle(chosen)
         answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
         examples.append(Example(
-            id=str(row.get("_id") or f"{dataset}-{i}"), question=str(row["input"]),
-            answers=[str(a) for a in answers], documents=[contexts[c] for c in chosen],
+            id=row.get("_id") or f"{dataset}-{i}", question=row["input"],
+            answers=answers, documents=[contexts[c] for c in chosen],
             gold_doc_ids=[gold_id],
             metadata={"dataset": dataset, "length": row.get("length"),
                       "all_classes": row.get("all_classes"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from contextlib import contextmanager
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from pced.documents import Document
 from pced.errors import UserError
 
-__all__ = ["Dataset", "DatasetError", "Example", "expected_shape"]
+__all__ = ["Dataset", "DatasetError", "Example", "read_json", "read_jsonl"]
 
 
 class DatasetError(UserError):
@@ -52,20 +51,6 @@ class Dataset:
         return len(self.examples)
 
 
-@contextmanager
-def expected_shape(path: Path, dataset: str):
-    """Records of the wrong shape (a field missing, a list where an object belongs) become one
-    line that names the file, not a KeyError from deep inside a loader."""
-    try:
-        yield
-    except DatasetError:  # already one line naming the file and the record
-        raise
-    except KeyError as exc:
-        raise DatasetError(f"{path}: not a {dataset} file: a record has no field {exc.args[0]!r}") from None
-    except (TypeError, AttributeError, IndexError, ValueError) as exc:
-        raise DatasetError(f"{path}: not a {dataset} file: a record has an unexpected shape ({exc})") from None
-
-
 def read_json(path: Path) -> Any:
     """Read a JSON file, turning I/O and syntax problems into a one-line DatasetError."""
     try:
@@ -77,16 +62,17 @@ def read_json(path: Path) -> Any:
         raise DatasetError(f"cannot read {path}: {exc}") from None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Read a JSON-lines file (``.gz`` transparently); blank lines are skipped."""
+def read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    """Read a JSON-lines file (``.gz`` transparently) as (line number, value) pairs, so that a
+    reader's errors can name the line; blank lines are skipped."""
     opener = gzip.open if path.suffix == ".gz" else open
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[int, Any]] = []
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        rows.append((number, json.loads(line)))
                     except json.JSONDecodeError as exc:
                         raise DatasetError(f"{path}:{number}: not JSON ({exc.msg})") from None
     except FileNotFoundError:

@@ -127,12 +127,17 @@ def run_eval(config: EvalConfig, llm=None) -> dict:
             llm = load_model(config.model, device=config.device, dtype=config.dtype)
         return llm
 
+    def read(tokenizer=None) -> Dataset:
+        return load_dataset(config.dataset, setting=config.setting, data_dir=config.data_dir,
+                            limit=config.limit, seed=config.seed, tokenizer=tokenizer)
+
     seed_everything(config.seed)
-    tokenizer = model().tokenizer if config.dataset == "secret-code" else None
-    dataset = load_dataset(config.dataset, setting=config.setting, data_dir=config.data_dir,
-                           limit=config.limit, seed=config.seed, tokenizer=tokenizer)
+    # every record is read and checked before any model loads: a bad file costs no model load
+    dataset = None if config.dataset == "secret-code" else read()
     if llm is None and config.model and not (Path(config.model).expanduser() / "config.json").is_file():
         raise ModelLoadError(f"model path {config.model} is not a Hugging Face model directory (no config.json)")
+    if dataset is None:  # its documents are exactly N tokens of the model's own tokenizer
+        dataset = read(model().tokenizer)
     model_setting = model_setting_of(config, llm)
     out = Path(config.out) if config.out else Path("runs") / "eval" / safe_name(dataset.name)
     meta = {"dataset": dataset.name, "setting": dataset.setting, "model": model_name(model_setting),

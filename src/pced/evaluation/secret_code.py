@@ -16,6 +16,7 @@ from typing import Any
 
 from pced.errors import UserError
 from pced.documents import Document
+from pced.evaluation.kinds import INTEGER, Kind, check, record
 from pced.evaluation.records import Dataset, Example, example_rng
 
 __all__ = ["make_secret_code", "token_count"]
@@ -35,6 +36,8 @@ _FILLER_WORDS = (
     "snow sun moon star night day week year story song music dance picture map book"
 ).split()
 _LINKS = ("the", "a", "and", "of", "to", "in", "near", "with", "after", "before")
+_COUNT = Kind("an integer >= 1", lambda v: INTEGER.mismatch(v, "") is None and v >= 1)
+SETTINGS = record({"n_docs": _COUNT, "doc_tokens": _COUNT, "seed": INTEGER, "n_examples": _COUNT})
 # Short pieces appended one at a time to close the last gap to exactly L tokens.
 _PADDING = (" and", " the", " of", " a", ".", ",", " x", " -")
 
@@ -119,8 +122,8 @@ def make_secret_code(tokenizer: Any, n_docs: int = 64, doc_tokens: int = 2048, s
     asks for the code verbatim; answers = [code], scored with subspan_em. A caller measuring
     latency treats the first instance as the warm-up (the paper discards one).
     """
-    if n_docs < 1 or doc_tokens < 1 or n_examples < 1:
-        raise UserError("n_docs, doc_tokens and n_examples must be >= 1")
+    check("secret-code", {"n_docs": n_docs, "doc_tokens": doc_tokens, "seed": seed, "n_examples": n_examples},
+          SETTINGS, noun="setting")
     examples = []
     for e in range(n_examples):
         rng = example_rng(seed, e)

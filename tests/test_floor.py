@@ -51,27 +51,6 @@ def test_shapes_by_name_or_json_and_a_clear_error_otherwise(tmp_path):
         shape_of("llama-9000")
 
 
-@pytest.mark.slow
-def test_bench_on_a_random_model_prints_the_floor_beside_each_decode_time(tmp_path):
-    out = tmp_path / "bench"
-    env = {**os.environ, "PCED_CACHE_DIR": str(tmp_path / "cache")}  # this machine's limits: measured, not the user's
-    result = run_pced("bench", "--random-model", "tiny", "--ks", "2", "--doc-tokens", "32", "--repeats", "1",
-                      "--new-tokens", "3", "--long-new-tokens", "4", "--storage-dtypes", "", "--no-cold",
-                      "--out", str(out), env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads((out / "bench.json").read_text())
-    assert report["model"] == "random tiny" and report["copy_bandwidth_gbs"] > 0 and "memory" not in report
-    row = report["lengths"][0]["rows"][0]
-    for method in ("pced", "all", "ape"):
-        assert 0 < row[method]["decode_floor_s"] < row[method]["decode_per_token_s"]
-    assert row["pced"]["decode_floor_s"] > row["all"]["decode_floor_s"]  # k+1 rows read the prefix and suffix again
-    assert "[" in (out / "bench.md").read_text()
-    bad = run_pced("bench", "--random-model", "llama-9000", "--out", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "neither a known shape" in bad.stderr and "Traceback" not in bad.stderr
-    engine = run_pced("bench", "--random-model", "tiny", "--backend", "vllm", "--out", str(tmp_path / "bad"))
-    assert engine.returncode == 2 and "use --model with --backend vllm" in engine.stderr
-
-
 def test_the_peer_script_rebuilds_the_benchs_random_model_weight_for_weight(tmp_path):
     """experiments/peer_langchain_pced.py times the authors' implementation in its own environment on
     the model the bench timed ours on: from peer_inputs.json it must rebuild the very same weights."""

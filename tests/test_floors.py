@@ -179,14 +179,15 @@ def test_the_gpu_path_is_chosen_by_the_device_and_cannot_crash_on_a_cpu(tmp_path
 
 
 @pytest.mark.slow
-def test_the_bench_json_table_and_plot_carry_measured_over_floor(tmp_path):
+def test_the_bench_json_table_and_plot_carry_measured_over_floor(tmp_path, capsys):
     out = tmp_path / "bench"
-    env = {**os.environ, "PCED_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PCED_CACHE_DIR": str(tmp_path / "cache")}  # this machine's limits: measured, not the user's
     result = run_pced("bench", "--random-model", "tiny", "--ks", "1,2", "--doc-tokens", "32", "--repeats", "1",
                       "--new-tokens", "3", "--long-new-tokens", "4", "--storage-dtypes", "float16", "--no-cold",
                       "--out", str(out), env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "bench.json").read_text())
+    assert report["model"] == "random tiny" and report["copy_bandwidth_gbs"] > 0 and "memory" not in report
     floors = report["floors"]
     assert floors["gemm_peak_flop_s"] == max(floors["gemm_rates_flop_s"].values()) > 0
     assert floors["machine"]["path"].startswith(str(tmp_path / "cache"))
@@ -196,13 +197,22 @@ def test_the_bench_json_table_and_plot_carry_measured_over_floor(tmp_path):
             assert m["decode_vs_floor"] == pytest.approx(m["decode_per_token_s"] / m["decode_floor_s"])
             assert m["ttft_vs_floor"] == pytest.approx(m["ttft_s"] / m["ttft_floor_s"])
             assert m["decode_vs_floor"] > 1 and m["ttft_vs_floor"] > 1  # a 2-layer model is all overhead
+            assert 0 < m["decode_floor_s"] < m["decode_per_token_s"]
             assert m["floors"]["decode"]["floor_s"] == m["decode_floor_s"]
+        assert row["pced"]["decode_floor_s"] > row["all"]["decode_floor_s"]  # k+1 rows read the prefix and suffix again
         assert row["pced"]["ttft_resident_vs_floor"] > 1
         assert row["pced"]["floors"]["ttft"]["read_bytes"] > 0 == row["all"]["floors"]["ttft"]["read_bytes"]
     assert report["storage"][0]["pced_ttft_vs_floor"] > 1 and report["end_to_end"]["pced"]["decode_floor_s"] > 0
     table = (out / "bench.md").read_text()
     assert "Machine: " in table and "x] |" in table and "GEMM peak" in table
     assert (out / "bench.png").stat().st_size > 0
+    # refused before anything is measured: an unknown shape, and a random model on an engine that loads its own
+    from pced.cli import main
+
+    assert main(["bench", "--random-model", "llama-9000", "--out", str(tmp_path / "bad")]) == 2
+    assert "neither a known shape" in capsys.readouterr().err
+    assert main(["bench", "--random-model", "tiny", "--backend", "vllm", "--out", str(tmp_path / "bad")]) == 2
+    assert "use --model with --backend vllm" in capsys.readouterr().err
 
 
 def test_the_gpu_targets_hold_decode_against_the_bandwidth_term_they_are_written_for():

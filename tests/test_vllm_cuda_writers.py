@@ -108,7 +108,7 @@ def test_a_load_writes_the_paged_cache_the_forward_would(stores, backend, layout
             blocks = list(range(next_block, next_block + -(-tokens // BLOCK)))[::-1]  # scattered, descending
             next_block += len(blocks)
             spec = StoreSpec(str(kv.root.resolve()), digest, len(kv.builder.prefix_ids), tokens, ids_digest([]))
-            loads.append(StoreLoad(f"r{i}", spec, start, blocks))
+            loads.append(StoreLoad(f"r{i}", spec, start, [blocks]))
             slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(start, tokens)])
             for index, name in enumerate(NAMES):
                 layer = expected[name]
@@ -116,7 +116,7 @@ def test_a_load_writes_the_paged_cache_the_forward_would(stores, backend, layout
                 layer.impl.do_kv_cache_update(layer, forward_rows(keys, 2), forward_rows(values, 2), layer.kv_cache,
                                               slots)
         connector = connector_for(loaded, dtype, tp, monkeypatch)
-        connector.bind_connector_metadata(StoreLoads(BLOCK, loads))
+        connector.bind_connector_metadata(StoreLoads([BLOCK], loads))
         connector.start_load_kv(None)
         for name in NAMES:
             connector.wait_for_layer_load(name)
@@ -124,3 +124,48 @@ def test_a_load_writes_the_paged_cache_the_forward_would(stores, backend, layout
         got, want = cache_bytes(loaded[NAMES[0]].kv_cache), cache_bytes(expected[NAMES[0]].kv_cache)
         assert want.any(), "the expected cache was written"
         assert torch.equal(got, want), f"{storage} store, tp={tp}: {(got != want).sum()} bytes differ"
+
+
+def test_an_int8_load_carries_its_bytes_to_the_device_dequantizes_there_and_reads_nothing_back(stores, monkeypatch):
+    """The stored int8 values and their float32 scales cross to the device (about half of float16's
+    bytes), dequantized after the copy; the load path makes no read from the device to the host
+    (``helpers.host_reads``: on a GPU each would stall the host until the device caught up)."""
+    from helpers.host_reads import HostReads
+
+    from pced.backends.vllm.connector import StoreLoad, StoreLoads
+    from pced.backends.vllm.store_kv import StoreSpec
+
+    kv = stores["int8"]
+    heads, head_size = kv.prefix().keys.shape[1], kv.prefix().keys.shape[3]
+    digest = kv.digests(DOCS)[0]
+    prefix = len(kv.builder.prefix_ids)
+    tokens = prefix + len(kv.builder.context_ids(DOCS[:1]))
+    written = []
+
+    class Recorder:
+        num_kv_heads = heads
+        head_size = kv.prefix().keys.shape[3]
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            written.append((key, value))
+
+    layers = {name: SimpleNamespace(kv_cache=torch.zeros(1), impl=Recorder(), kv_sharing_target_layer_name=None,
+                                    attn_backend=SimpleNamespace(forward_includes_kv_cache_update=False))
+              for name in NAMES}
+    connector = connector_for(layers, torch.bfloat16, (1, 0), monkeypatch)
+    spec = StoreSpec(str(kv.root.resolve()), digest, prefix, tokens, "")
+    for _ in range(2):  # the second load: files verified, the steady state
+        written.clear()
+        connector.bind_connector_metadata(StoreLoads([BLOCK], [StoreLoad("r", spec, 0, [list(range(1, 20))])]))
+        before = connector.loader.bytes_to_device if connector._loader else 0
+        with HostReads() as reads:
+            connector.start_load_kv(None)
+            for name in NAMES:
+                connector.wait_for_layer_load(name)
+            failed = connector.get_block_ids_with_load_errors()
+    assert not failed and reads.events == []
+    per_layer = tokens * heads * (2 * head_size + 4) + 2 * heads * head_size * 4  # int8 K, V, value scales; key scales
+    assert connector.loader.bytes_to_device - before == len(NAMES) * per_layer
+    for index, (key, value) in enumerate(written):
+        want = store_rows(kv, digest, index, slice(None), 0, tokens, torch.bfloat16)
+        assert torch.equal(key, want[0]) and torch.equal(value, want[1])

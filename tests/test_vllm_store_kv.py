@@ -85,3 +85,43 @@ def test_tensor_parallel_ranks_hold_the_kv_heads_vllm_gives_them():
 
 def test_slots_follow_the_requests_blocks():
     assert slots_of([7, 2, 9], 4, 2, 10).tolist() == [30, 31, 8, 9, 10, 11, 36, 37]
+
+
+def test_a_files_checksum_is_checked_once_per_node_and_again_when_the_file_changes(store, tmp_path):
+    """Workers of one node share a record of verified files (markers in a directory of their user's);
+    a second worker process (the process's own record forgotten) skips the whole-file read, a file
+    rewritten in place is checked again, and a marker directory others could write is not trusted."""
+    import os
+
+    from pced.backends.vllm.store_files import NodeVerified, StoreFiles
+    from pced.kv.format import VERIFIED, CacheError
+
+    kv = store("float16")
+    prefix = len(kv.builder.prefix_ids)
+    spec = StoreSpec(str(kv.root.resolve()), kv.digests(DOCS[:1])[0], prefix,
+                     prefix + len(kv.builder.context_ids(DOCS[:1])), "")
+    node = NodeVerified(tmp_path / "verified")
+    VERIFIED.forget()
+    first = StoreFiles(node)
+    first.segments(spec)
+    first.segments(spec)
+    assert first.checksums == 2  # the prefix and the document, once
+    VERIFIED.forget()  # another worker process on the node
+    second = StoreFiles(node)
+    second.segments(spec)
+    assert second.checksums == 0
+    path = kv.path_for(spec.digest)
+    data = bytearray(path.read_bytes())
+    data[-64:] = bytes(64)
+    path.write_bytes(bytes(data))  # same size, new bytes
+    VERIFIED.forget()
+    with pytest.raises(CacheError, match="checksum"):
+        StoreFiles(node).segments(spec)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    VERIFIED.forget()
+    untrusted = NodeVerified(shared)
+    StoreFiles(untrusted).segments(StoreSpec(spec.kv_dir, None, prefix, prefix, ""))
+    assert not any(shared.iterdir())  # nothing written where others could forge a marker
+    VERIFIED.forget()

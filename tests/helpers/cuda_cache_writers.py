@@ -125,7 +125,8 @@ class TritonWriterImpl(FlashWriterImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         if self.kv_cache_dtype != "auto":
-            key_cache, value_cache = key_cache.view(FP8[self.kv_cache_dtype]), value_cache.view(FP8[self.kv_cache_dtype])
+            fp8 = FP8[self.kv_cache_dtype]
+            key_cache, value_cache = key_cache.view(fp8), value_cache.view(fp8)
         self.writer(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                     layer._k_scale, layer._v_scale)
 

@@ -6,7 +6,8 @@ or a worker, and builds one instance per role (``distributed/kv_transfer/kv_conn
 ``KVConnectorBase_V1``). Each request says which stored KV makes its first tokens
 (``kv_transfer_params``, ``store_kv.StoreSpec``; vLLM hands a request's
 ``SamplingParams.extra_args["kv_transfer_params"]`` to the connector: ``v1/request.py:119-122``);
-nothing else is shared with pced's process.
+nothing else is shared with pced's process. A model whose KV the store cannot hold (latent
+attention, recurrent layers) is refused when the connector is built (``store_kv.store_kv_support``).
 
 Scheduler side: for a new request vLLM first finds its local prefix-cache hit, then asks the
 connector for tokens beyond it, presenting the hit cut to a whole block
@@ -14,11 +15,18 @@ connector for tokens beyond it, presenting the hit cut to a whole block
 and the connector supplies the rest of prefix + document from the store. The count need not end on
 a block: the scheduler adds it to the computed tokens as is and the KV-cache manager allocates for
 the total (``scheduler.py:1044-1047``, ``v1/core/kv_cache_manager.py:481-486``), so the document's
-last partial block is loaded, not recomputed. Loads are synchronous (vLLM runs them before the
-step's forward: ``v1/worker/kv_connector_model_runner_mixin.py:79-84``, after the step's new blocks
-were zeroed: ``v1/worker/gpu_model_runner.py:1199-1202``, ``:3979``, ``:4202``).
+last partial block is loaded, not recomputed.
 
-Worker side: each attention layer's keys and values are handed to the layer's own writer
+Hybrid models (sliding-window and full-attention layers, e.g. Gemma 3) keep vLLM's hybrid KV cache
+manager: the connector declares ``SupportsHMA`` (without it vLLM turns the manager off for any
+connector: ``config/vllm.py:2170-2192``, and every sliding-window layer then holds every token:
+``v1/core/kv_cache_utils.py:2173-2174``). Each KV cache group has its own blocks; a sliding-window
+group's blocks before its window are vLLM's null block (id 0: ``v1/core/block_pool.py:184-188``,
+``v1/core/single_type_kv_cache_manager.py:294-311``), whose tokens are not written (slot -1, which
+every writer skips).
+
+Worker side (``loader``): loads are synchronous, queued before the step's forward and waited for
+layer by layer; each attention layer's keys and values are handed to the layer's own writer
 (``kv_layout``), for the KV heads this tensor-parallel rank holds. A file that is missing or fails
 its checks when loaded is reported as failed blocks, which vLLM recomputes
 (``get_block_ids_with_load_errors``; ``store_kv.connector_config``'s failure policy).
@@ -26,52 +34,66 @@ its checks when loaded is reported as failed blocks, which vLLM recomputes
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, SupportsHMA)
 
-from ...kv.format import check_cache_file
 from ...kv.segment import DocKV
-from .kv_layout import check_writer_rows, prompt_rows, rank_heads, slots_of
-from .store_kv import SUPPLIED_KEY, StoreSpec
+from .kv_layout import rank_heads, segment_chunks, slots_of
+from .loader import Job, LayerSlot, StoreLoader
+from .store_files import StoreFiles
+from .store_kv import SUPPLIED_KEY, StoreSpec, store_kv_support
 
 log = logging.getLogger("pced.vllm")
+NULL_BLOCK = 0  # vLLM's placeholder block (v1/core/block_pool.py:184-188): never written, never failed
 
 
 @dataclass
 class StoreLoad:
-    """Tokens ``start..end-1`` of one request, from the store, into its blocks."""
+    """Tokens ``start..spec.tokens-1`` of one request, from the store, into its blocks (one list per
+    KV cache group)."""
 
     request_id: str
     spec: StoreSpec
     start: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
 
 @dataclass
 class StoreLoads(KVConnectorMetadata):
     """One step's loads, scheduler -> workers (pickled across processes with the scheduler output)."""
 
-    block_size: int
+    block_sizes: list[int]
     loads: list[StoreLoad] = field(default_factory=list)
 
 
-class PCEDStoreConnector(KVConnectorBase_V1):
+def load_blocks(load: StoreLoad, block_sizes: list[int]) -> set[int]:
+    """The blocks a load writes, over every group."""
+    out = set()
+    for ids, size in zip(load.block_ids, block_sizes):
+        out.update(ids[load.start // size:(load.spec.tokens - 1) // size + 1])
+    return out - {NULL_BLOCK}
+
+
+class PCEDStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("pced's store connector needs one KV cache group (one attention type for every layer)")
-        self.block_size = vllm_config.cache_config.block_size
+        model = getattr(vllm_config.model_config, "hf_config", None)
+        allowed, reason = store_kv_support(vllm_config.model_config) if model is not None else (True, "")
+        if not allowed:
+            raise ValueError(reason)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups] or [vllm_config.cache_config.block_size]
+        self._group_of = {name: i for i, g in enumerate(groups) for name in g.layer_names}
         self._planned: dict[str, StoreLoad] = {}  # scheduler: loads of the step being scheduled
         self._supplied: dict[str, int] = {}  # scheduler: tokens the store supplied, by request
         self._loaded: dict[str, list[tuple[set[int], int]]] = {}  # scheduler: each load's blocks and tokens
-        self._layers: list[tuple[int, Any]] = []  # worker: (layer index, attention layer)
+        self._layers: list[LayerSlot] = []  # worker
+        self._loader: StoreLoader | None = None
         self._heads: slice | None = None
         self._failed_blocks: set[int] = set()
         self._files = StoreFiles()
@@ -87,16 +109,16 @@ class PCEDStoreConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         spec = StoreSpec.from_params(request.kv_transfer_params)
-        (block_ids,) = blocks.get_block_ids()
         # the scheduler loads exactly what get_num_new_matched_tokens offered, ending at spec.tokens
-        self._planned[request.request_id] = StoreLoad(request.request_id, spec, spec.tokens - num_external_tokens,
-                                                      list(block_ids))
+        load = StoreLoad(request.request_id, spec, spec.tokens - num_external_tokens,
+                         [list(ids) for ids in blocks.get_block_ids()])
+        self._planned[request.request_id] = load
         self._supplied[request.request_id] = self._supplied.get(request.request_id, 0) + num_external_tokens
-        first, last = (spec.tokens - num_external_tokens) // self.block_size, (spec.tokens - 1) // self.block_size
-        self._loaded.setdefault(request.request_id, []).append((set(block_ids[first:last + 1]), num_external_tokens))
+        self._loaded.setdefault(request.request_id, []).append((load_blocks(load, self.block_sizes),
+                                                                num_external_tokens))
 
     def build_connector_meta(self, scheduler_output) -> StoreLoads:
-        meta = StoreLoads(self.block_size, list(self._planned.values()))
+        meta = StoreLoads(self.block_sizes, list(self._planned.values()))
         self._planned.clear()
         return meta
 
@@ -119,13 +141,16 @@ class PCEDStoreConnector(KVConnectorBase_V1):
             return False, None
         return False, {SUPPLIED_KEY: supplied}  # reaches the caller in RequestOutput.kv_transfer_params
 
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids)  # nothing is sent: no block is held back
+
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.model_executor.models.utils import extract_layer_index
 
         context = self._vllm_config.compilation_config.static_forward_context
-        self._layers = []
+        layers = []
         for name in kv_caches:
             layer = context.get(name)
             if layer is None or getattr(layer, "kv_sharing_target_layer_name", None):
@@ -134,37 +159,36 @@ class PCEDStoreConnector(KVConnectorBase_V1):
             if backend.forward_includes_kv_cache_update or not hasattr(layer.impl, "do_kv_cache_update"):
                 raise ValueError(f"pced's store connector writes through the attention backend's own KV writer; "
                                  f"{backend.get_name()} has none")
-            self._layers.append((extract_layer_index(name), layer))
+            layers.append(LayerSlot(extract_layer_index(name), name, layer, self._group_of.get(name, 0)))
         self._tp = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        self._layers = layers
         self._dtype = self._vllm_config.model_config.dtype  # what the forward hands the writer
+
+    @property
+    def loader(self) -> StoreLoader:
+        if self._loader is None:  # built at the first load: the rank's heads come from the store's caches
+            self._loader = StoreLoader(self._layers, self._heads, self._dtype)
+        return self._loader
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, StoreLoads) or not meta.loads:
             return
-        ready = []
+        chunks, slots, blocks = [], [[] for _ in meta.block_sizes], set()
         for load in meta.loads:
             try:
                 segments = self._files.segments(load.spec)
                 self._check(segments, load)
             except Exception as exc:  # a file gone or damaged: vLLM recomputes those tokens
                 log.warning("pced store connector: %s; vLLM recomputes these tokens", exc)
-                self._failed_blocks.update(load.block_ids[load.start // meta.block_size:
-                                                          (load.spec.tokens - 1) // meta.block_size + 1])
+                self._failed_blocks.update(load_blocks(load, meta.block_sizes))
                 continue
-            ready.append((load, segments, slots_of(load.block_ids, meta.block_size, load.start, load.spec.tokens)))
-        if not ready:
-            return
-        slots = torch.cat([s for _, _, s in ready])
-        for index, layer in self._layers:
-            rows = [prompt_rows(segments, index, self._heads, load.start, load.spec.tokens, self._dtype)
-                    for load, segments, _ in ready]
-            keys = torch.cat([k for k, _ in rows]) if len(rows) > 1 else rows[0][0]
-            values = torch.cat([v for _, v in rows]) if len(rows) > 1 else rows[0][1]
-            device = layer.kv_cache.device
-            keys, values = keys.to(device), values.to(device)
-            check_writer_rows(keys, values, len(slots), layer.impl.num_kv_heads, layer.impl.head_size)
-            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots.to(device))
+            chunks += segment_chunks(segments, load.start, load.spec.tokens)
+            for group, (ids, size) in enumerate(zip(load.block_ids, meta.block_sizes)):
+                slots[group].append(slots_of(ids, size, load.start, load.spec.tokens, skip=NULL_BLOCK))
+            blocks |= load_blocks(load, meta.block_sizes)
+        if chunks:
+            self.loader.start(Job(chunks, [torch.cat(s) for s in slots], blocks))
 
     def _check(self, segments: list[DocKV], load: StoreLoad) -> None:
         prefix = segments[0]
@@ -175,13 +199,14 @@ class PCEDStoreConnector(KVConnectorBase_V1):
         if self._heads is None:
             self._heads = rank_heads(heads, *self._tp)
         local = self._heads.stop - self._heads.start
-        for index, layer in self._layers:
-            if index >= layers or layer.impl.num_kv_heads != local or self._heads.stop > heads:
+        for slot in self._layers:
+            if slot.index >= layers or slot.layer.impl.num_kv_heads != local or self._heads.stop > heads:
                 raise ValueError(f"the store's caches ({layers} layers, {heads} KV heads) do not fit this engine's "
-                                 f"layer {index} ({layer.impl.num_kv_heads} KV heads on this rank)")
+                                 f"layer {slot.index} ({slot.layer.impl.num_kv_heads} KV heads on this rank)")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load finished in start_load_kv
+        if self._loader is not None:
+            self._loader.wait(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # the store is written by pced index, never by the engine
@@ -191,37 +216,7 @@ class PCEDStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
+        if self._loader is not None:
+            failed |= self._loader.finish()
         return failed
 
-
-class StoreFiles:
-    """A store's files as a worker reads them: the manifest's identity and the prefix once per
-    directory (again when the file changes), a document's cache each time it is loaded (memory-
-    mapped; its checksum verified once per file per process: ``kv.format.VERIFIED``)."""
-
-    def __init__(self) -> None:
-        self._identity: dict[tuple, dict] = {}
-        self._prefix: dict[tuple, DocKV] = {}
-
-    @staticmethod
-    def _key(path: Path) -> tuple:
-        stat = os.stat(path)
-        return (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-    def identity(self, kv_dir: str) -> dict:
-        manifest = Path(kv_dir) / "kvstore.json"
-        key = self._key(manifest)
-        if key not in self._identity:
-            identity = json.loads(manifest.read_text())
-            self._identity[key] = {k: v for k, v in identity.items() if k != "model"}  # recorded, not checked
-        return self._identity[key]
-
-    def segments(self, spec: StoreSpec) -> list[DocKV]:
-        identity = self.identity(spec.kv_dir)
-        key = self._key(spec.prefix_path)
-        if key not in self._prefix:
-            self._prefix[key] = check_cache_file(spec.prefix_path, identity, "prefix", spec.prefix_tokens, "once")[0]
-        if spec.document_path is None:
-            return [self._prefix[key]]
-        document = check_cache_file(spec.document_path, identity, spec.digest, spec.tokens - spec.prefix_tokens, "once")[0]
-        return [self._prefix[key], document]

@@ -27,6 +27,8 @@ of ``max(1, heads // tp)`` heads, where ``replicas = max(1, tp // heads)``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...kv.segment import DocKV
@@ -40,23 +42,58 @@ def rank_heads(total_heads: int, tp_size: int, rank: int) -> slice:
     return slice(first, first + local)
 
 
-def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+def slots_of(block_ids: list[int], block_size: int, start: int, end: int, skip: int | None = None) -> torch.Tensor:
     """Flat slots (``block_id * block_size + offset``) of a request's tokens ``start..end-1`` from its
     block ids, as the runner's slot mapping numbers them (a backend splitting blocks into smaller
-    kernel blocks keeps the same flat numbering: ``v1/kv_cache_interface.py:407-429``)."""
+    kernel blocks keeps the same flat numbering: ``v1/kv_cache_interface.py:407-429``). Tokens in
+    block ``skip`` get -1, a slot every writer skips (``csrc/cache_kernels.cu:338-342``,
+    ``v1/attention/ops/triton_reshape_and_cache_flash.py:61-64``)."""
     tokens = torch.arange(start, end)
-    return torch.tensor(block_ids, dtype=torch.long)[tokens // block_size] * block_size + tokens % block_size
+    blocks = torch.tensor(block_ids, dtype=torch.long)[tokens // block_size]
+    slots = blocks * block_size + tokens % block_size
+    return slots if skip is None else torch.where(blocks == skip, -1, slots)
 
 
-def segment_rows(kv: DocKV, layer: int, heads: slice, start: int, end: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``start..end-1`` of one layer of a stored segment as ``[tokens, heads, head_dim]`` keys
-    and values in ``dtype``, dequantized (int8: keys per channel, values per token: ``kv.segment``)."""
-    keys = kv.keys[layer, heads, start:end]
-    values = kv.values[layer, heads, start:end]
+@dataclass
+class Chunk:
+    """Tokens ``lo..hi-1`` of one stored segment."""
+
+    kv: DocKV
+    lo: int
+    hi: int
+
+
+def segment_chunks(segments: list[DocKV], start: int, end: int) -> list[Chunk]:
+    """Tokens ``start..end-1`` of the prompt the segments make one after the other (prefix, document)."""
+    chunks, offset = [], 0
+    for kv in segments:
+        lo, hi = max(start, offset), min(end, offset + kv.n_tokens)
+        if lo < hi:
+            chunks.append(Chunk(kv, lo - offset, hi - offset))
+        offset += kv.n_tokens
+    if offset < end or not chunks:
+        raise ValueError(f"the stored segments hold {offset} tokens, tokens {start}..{end - 1} were asked for")
+    return chunks
+
+
+def stored_parts(chunk: Chunk, layer: int, heads: slice) -> list[torch.Tensor]:
+    """One layer of a chunk as it lies in the file: keys and values ``[heads, tokens, head_dim]`` (and
+    an int8 cache's scales), views of the memory-mapped file, nothing read yet."""
+    kv, lo, hi = chunk.kv, chunk.lo, chunk.hi
+    parts = [kv.keys[layer, heads, lo:hi], kv.values[layer, heads, lo:hi]]
     if kv.quantized:
-        keys = keys.to(torch.float32) * kv.key_scale[layer, heads]
-        values = values.to(torch.float32) * kv.value_scale[layer, heads, start:end]
+        parts += [kv.key_scale[layer, heads], kv.value_scale[layer, heads, lo:hi]]
+    return parts
+
+
+def rows_of(parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stored_parts`` (wherever they now are: on a GPU after the copy) as the forward's keys and
+    values, contiguous ``[tokens, heads, head_dim]`` in ``dtype``; int8 dequantized here, keys per
+    channel and values per token (``kv.segment``), in float32 as the transformers backend does."""
+    keys, values = parts[0], parts[1]
+    if len(parts) == 4:
+        keys = keys.to(torch.float32) * parts[2]
+        values = values.to(torch.float32) * parts[3]
     return token_major(keys, dtype), token_major(values, dtype)
 
 
@@ -82,15 +119,7 @@ def check_writer_rows(keys: torch.Tensor, values: torch.Tensor, tokens: int, hea
 
 def prompt_rows(segments: list[DocKV], layer: int, heads: slice, start: int, end: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``start..end-1`` of the prompt the segments make one after the other (prefix, document)."""
-    keys, values, offset = [], [], 0
-    for kv in segments:
-        lo, hi = max(start, offset), min(end, offset + kv.n_tokens)
-        if lo < hi:
-            k, v = segment_rows(kv, layer, heads, lo - offset, hi - offset, dtype)
-            keys.append(k)
-            values.append(v)
-        offset += kv.n_tokens
-    if offset < end or not keys:
-        raise ValueError(f"the stored segments hold {offset} tokens, tokens {start}..{end - 1} were asked for")
-    return (torch.cat(keys), torch.cat(values)) if len(keys) > 1 else (keys[0], values[0])
+    """Tokens ``start..end-1`` of one layer of the prompt the segments make (prefix, document), computed
+    on the segments' own device as a load computes them on its."""
+    rows = [rows_of(stored_parts(chunk, layer, heads), dtype) for chunk in segment_chunks(segments, start, end)]
+    return (torch.cat([k for k, _ in rows]), torch.cat([v for _, v in rows])) if len(rows) > 1 else rows[0]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,6 +37,66 @@ def connector_config() -> dict:
     (``kv_load_failure_policy``, ``config/kv_transfer.py:88``; ``v1/core/sched/scheduler.py:3237-3354``)."""
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
             "kv_load_failure_policy": "recompute"}
+
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # layer kinds whose state is KV
+RECURRENT_KEYS = ("ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim")
+
+
+def _read(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def store_kv_support(config: Any) -> tuple[bool, str]:
+    """Whether pced's connector can load this model's KV from the store, and why not (one line), or a
+    note on what it costs. ``config``: a transformers config, its ``config.json`` as a dict, or vLLM's
+    ``ModelConfig``. Call it before an engine starts: with False, start the engine without the
+    connector (vLLM's prefix cache still serves repeated documents); the connector itself raises the
+    same reason when it is built for such a model.
+
+    - Multi-head latent attention (DeepSeek V2/V3, Kimi K2, ...): vLLM's MLA backends cache one
+      compressed latent and one RoPE key per token, written inside the attention's forward
+      (``forward_includes_kv_cache_update`` is ``AttentionBackend``'s default ``True``,
+      ``v1/attention/backend.py:70``, which no MLA backend overrides; the writer
+      ``concat_and_cache_mla`` takes ``kv_c_normed`` and ``k_pe``: ``:1090-1110``,
+      ``model_executor/layers/attention/mla_attention.py:769-803``). pced's store holds per-head keys and
+      values, from which that latent cannot be recovered exactly: refused.
+    - Recurrent layers (Mamba, linear attention): their state is not KV, and the store holds none: refused.
+    - Sliding-window layers beside full-attention ones (Gemma 2 and 3): served. The connector supports
+      vLLM's hybrid KV cache manager (``SupportsHMA``), so on a GPU a sliding-window layer keeps only its
+      window's blocks (``v1/core/single_type_kv_cache_manager.py:294-311``). Without that support vLLM
+      turns the manager off for the connector (``config/vllm.py:2170-2192``) and makes every
+      sliding-window layer a full-attention one (``v1/core/kv_cache_utils.py:2173-2174``, ``:1799-1822``;
+      the window still bounds their compute): they would hold every token, for Gemma 3 (five local
+      layers in six, a 1024-token window) 6 x 32768 token-layers at 32k tokens instead of
+      32768 + 5 x 1024, 5.2x the KV memory, so 5.2x fewer such sequences fit. vLLM's CPU build never
+      runs the manager (``config/vllm.py:2145-2147``).
+    """
+    if getattr(config, "use_mla", False) is True:
+        return False, _mla_refusal(config)
+    text = _read(config, "hf_text_config") or config
+    if hasattr(text, "get_text_config"):
+        text = text.get_text_config(decoder=True)
+    elif isinstance(text, dict) and isinstance(text.get("text_config"), dict):
+        text = text["text_config"]
+    if _read(text, "kv_lora_rank") is not None:
+        return False, _mla_refusal(text)
+    kinds = set(_read(text, "layer_types") or ())
+    if kinds - set(ATTENTION_LAYERS) or any(_read(text, key) for key in RECURRENT_KEYS):
+        return False, (f"pced's store connector cannot serve {_read(text, 'model_type') or 'this model'}: its "
+                       f"recurrent layers ({', '.join(sorted(kinds - set(ATTENTION_LAYERS))) or 'state space'}) keep "
+                       "a state the store does not hold; vLLM prefills the documents (its prefix cache serves repeats)")
+    if "sliding_attention" in kinds:
+        return True, ("sliding-window layers: served with vLLM's hybrid KV cache manager on a GPU (each keeps its "
+                      "window's blocks); vLLM's CPU build keeps every token in them")
+    return True, ""
+
+
+def _mla_refusal(config: Any) -> str:
+    text = _read(config, "hf_text_config") or config
+    return (f"pced's store connector cannot serve {_read(text, 'model_type') or 'this model'}'s multi-head latent "
+            f"attention: vLLM caches one compressed latent per token, written inside its attention, and pced's "
+            f"store holds per-head keys and values; vLLM prefills the documents (its prefix cache serves repeats)")
 
 
 def ids_digest(token_ids: Sequence[int]) -> str:

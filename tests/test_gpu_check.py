@@ -68,3 +68,19 @@ def test_the_device_test_lane_loads_none_either():
     lane = "\n".join(["import sys", f"sys.path.insert(0, {str(TESTS)!r})", "import conftest"]
                      + [f"import {name}" for name in ("test_device", "test_kv_tiers", "test_kv_format", "test_clock")])
     assert loaded_after(lane) == []
+
+
+@pytest.mark.slow
+def test_the_agreement_step_answers_from_stored_caches_as_from_a_fresh_prefill_in_float32(tmp_path,
+                                                                                        embedded_tokenizer_dir):
+    """scripts/gpu_agreement.py (gpu_check.sh's step 3) on its CPU path: float32 stored caches give the
+    fresh prefill's greedy tokens, and the step loads no retrieval, server or evaluation library."""
+    script = Path(__file__).resolve().parents[1] / "scripts"
+    run = (f"import sys\nsys.path.insert(0, {str(script)!r})\nimport gpu_agreement\n"
+           f"gpu_agreement.main(['--random-model', 'tiny', '--tokenizer', {str(embedded_tokenizer_dir)!r}, "
+           f"'--device', 'cpu', '--dtype', 'float32', '--docs', '2', '--doc-tokens', '48', '--new-tokens', '6', "
+           f"'--out', {str(tmp_path)!r}])")
+    assert loaded_after(run) == []
+    summary = json.loads((tmp_path / "agreement.json").read_text())
+    assert summary["identical_answers"] == 2 and summary["mean_common_prefix"] == 6
+    assert summary["max_first_logits_diff"] < 1e-4

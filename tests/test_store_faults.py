@@ -110,7 +110,7 @@ def test_eval_refuses_a_malformed_hotpotqa_file_before_building_a_store(tmp_path
 def test_a_large_index_names_every_phase_and_a_stopped_run_leaves_no_temporary_folder(tmp_path, tiny_model_dir):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"d{i}", "text": f"Passage {i} tells of harbour {i % 97}, "
                                                       f"bell {i % 13} and the town of Oskvale in year {1800 + i}."}
-                                                     for i in range(6000)])
+                                                     for i in range(1200)])
     store = tmp_path / "store"
     args = [sys.executable, "-m", "pced.cli", "index", str(corpus), "--out", str(store), "--model", str(tiny_model_dir),
             "--lazy-kv"]
@@ -125,11 +125,11 @@ def test_a_large_index_names_every_phase_and_a_stopped_run_leaves_no_temporary_f
     rest = process.communicate(timeout=300)[1]
     assert process.returncode == 130 and "pced: interrupted" in rest, rest[-2000:]
     text = "".join(seen)
-    for phase in ("counting document tokens", "retrieval indexes: BM25 over 6000 documents",
+    for phase in ("counting document tokens", "retrieval indexes: BM25 over 1200 documents",
                   "retrieval indexes: embedding documents"):
         assert phase in text, text[-2000:]
     assert not [p for p in store.rglob(f"{TEMP_PREFIX}*")], "a stopped run left a temporary file or folder"
     assert not (store / "manifest.json").exists()  # nothing was published
     done = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert len(DocumentStore.open(store).documents) == 6000 and not [p for p in store.rglob(f"{TEMP_PREFIX}*")]
+    assert len(DocumentStore.open(store).documents) == 1200 and not [p for p in store.rglob(f"{TEMP_PREFIX}*")]

@@ -45,7 +45,7 @@ def add_index_parser(sub) -> None:
     p.add_argument("--lazy-kv", action="store_true",
                    help="build the retrieval indexes only; encode a document's KV cache the first time it is retrieved")
     p.add_argument("--kv-budget-gb", type=float, default=defaults.kv_budget_gb,
-                   help="keep the KV caches within this many GB: encoded when first retrieved, least recently used "
+                   help="keep the KV caches within this many GiB (2^30 bytes): encoded when first retrieved, least recently used "
                         "evicted (kept in the manifest; later runs keep it unless given again)")
     p.add_argument("--rebuild", action="store_true",
                    help="replace what the store holds with CORPUS, whatever its manifest and documents.jsonl held or "

@@ -250,15 +250,15 @@ def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -
     """The line ``pced index`` prints before it starts: what the caches will take, and what to do about it."""
     size = estimate["bytes"] / GB
     line = (f"pced: KV caches take {estimate['bytes_per_token'] / 1024:.1f} KiB per document token with this model "
-            f"({settings.storage_dtype}): about {size:.2f} GB for these {documents} documents "
+            f"({settings.storage_dtype}): about {size:.2f} GiB for these {documents} documents "
             f"({estimate['tokens']} tokens)")
     if settings.kv_budget_gb is not None:
-        return line + f"; encoded when first retrieved, kept within {settings.kv_budget_gb:g} GB"
+        return line + f"; encoded when first retrieved, kept within {settings.kv_budget_gb:g} GiB"
     if settings.on_demand:
         return line + "; encoded when first retrieved (--lazy-kv)"
     if estimate["bytes"] > LARGE_CORPUS_BYTES:
         return line + ("; to encode each document when it is first retrieved instead, and bound the disk used, "
-                       "index with --kv-budget-gb GB (or --lazy-kv)")
+                       "index with --kv-budget-gb GIB (or --lazy-kv)")
     return line
 
 

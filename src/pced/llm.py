@@ -12,8 +12,11 @@ import hashlib
 import json
 import os
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -27,6 +30,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DECODE_STEPS = ("eager", "static", "compiled")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LINEAR_KERNELS = ("auto", "plain", "onednn")
+_WEIGHTS_LOADING = threading.Lock()  # one load of a model's weights at a time (the server's lanes share a model)
 
 
 class ModelLoadError(UserError):
@@ -57,6 +61,26 @@ class LoadedModel:
     weights_hash: str = ""
     # the fingerprint of stores built before identities were path-free, given the folder they recorded
     legacy_fingerprint: object = field(default=None, repr=False, compare=False)
+    # loaded without weights (``load_model(weights=False)``): the modules sit on the meta device, so an
+    # engine that loads its own copy (vLLM) costs this process no second one; ``with_weights`` puts
+    # them on ``home`` when something here needs them
+    home: torch.device | None = None
+    weights_loader: Callable[["LoadedModel"], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights_loader is None
+
+    def with_weights(self, reason: str) -> "LoadedModel":
+        """This model with its weights in this process: loaded now, in place and once, with one line on
+        stderr saying ``reason``, where it was loaded without them."""
+        with _WEIGHTS_LOADING:
+            if self.weights_loader is not None:
+                print(f"pced: loading {self.name}'s weights into this process {reason} ...", file=sys.stderr,
+                      flush=True)
+                self.weights_loader(self)
+                self.weights_loader = None
+        return self
 
     def model_difference(self, stored: dict) -> str | None:
         """None when a manifest's ``model`` record (``model_record``) names this model; else what differs."""
@@ -83,7 +107,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.home if not self.has_weights else next(self.model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -309,11 +333,13 @@ def load_model(
     attn_implementation: str = "sdpa",
     decode_step: str | None = None,
     linear_kernel: str = "auto",
+    weights: bool = True,
 ) -> LoadedModel:
     """Load a local causal LM directory (offline), or the embedded default when ``path`` is None.
     ``decode_step``: eager, static or compiled (None: ``LoadedModel``'s default); ``linear_kernel``:
-    auto, plain or onednn (``choose_linear_kernel``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    auto, plain or onednn (``choose_linear_kernel``). ``weights`` False: the config, tokenizer and
+    generation settings, the modules on the meta device (``LoadedModel.with_weights`` loads them)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     if is_embedded(path if path is None else str(path)):
         folder, name = embedded_model_dir(), EMBEDDED_NAME
@@ -326,18 +352,12 @@ def load_model(
             raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model directory")
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    try:
+    with _model_load_errors(folder):
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True, attn_implementation=attn_implementation
-        )
+        model = (_read_weights(folder, torch_dtype, attn_implementation, device) if weights
+                 else _skeleton(folder, config, torch_dtype, attn_implementation))
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except ValueError as exc:
-        raise ModelLoadError(f"{folder} is not a causal language model: {str(exc).splitlines()[0]}") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load a model from {folder}: {str(exc).splitlines()[0]}") from exc
-    model.to(device).eval()
-    fingerprint, weights, arch = model_identity(folder, config)
+    fingerprint, weights_hash, arch = model_identity(folder, config)
     llm = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -347,8 +367,48 @@ def load_model(
         tokenizer_hash=tokenizer_hash(tokenizer),
         **({} if decode_step is None else {"decode_step": decode_step}),
         architecture=arch,
-        weights_hash=weights,
+        weights_hash=weights_hash,
         legacy_fingerprint=lambda recorded: legacy_model_fingerprint(folder, config, recorded),
     )
-    choose_linear_kernel(llm, "plain" if llm.decode_step == "compiled" and linear_kernel == "auto" else linear_kernel)
+    kernel = "plain" if llm.decode_step == "compiled" and linear_kernel == "auto" else linear_kernel
+    if weights:
+        choose_linear_kernel(llm, kernel)
+        return llm
+
+    def attach(llm: LoadedModel) -> None:
+        with _model_load_errors(folder):
+            llm.model = _read_weights(folder, torch_dtype, attn_implementation, device)
+        choose_linear_kernel(llm, kernel)
+
+    llm.home, llm.weights_loader, llm.linear_reason = device, attach, "no weights in this process"
     return llm
+
+
+@contextmanager
+def _model_load_errors(folder: Path) -> Iterator[None]:
+    """transformers' errors for a folder that is no causal LM, as one ``ModelLoadError`` line."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder} is not a causal language model: {str(exc).splitlines()[0]}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a model from {folder}: {str(exc).splitlines()[0]}") from exc
+
+
+def _read_weights(folder: Path, dtype: torch.dtype, attn_implementation: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
+                                                attn_implementation=attn_implementation).to(device).eval()
+
+
+def _skeleton(folder: Path, config: object, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
+    """The model's modules on the meta device (shapes, dtype, tied weights; no memory), with the
+    generation settings ``from_pretrained`` would read (generation_config.json, else the config's)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return model.eval()

@@ -3,8 +3,11 @@ retrieval libraries are imported): ask the same questions of the same store with
 backend and the vLLM backend; print one JSON line per question with both answers.
 
 argv: store_dir questions_file settings_json [--warm-up]. Without --warm-up the documents' KV comes
-from the store's caches through pced's connector (or, with store_kv off, vLLM prefills them)."""
+from the store's caches through pced's connector (or, with store_kv off, vLLM prefills them). Every
+question is asked of vLLM first: the first line counts the causal LMs with weights in this process
+then (the vLLM backend holds none; the transformers answers after it load one)."""
 
+import gc
 import json
 import os
 import sys
@@ -24,6 +27,15 @@ def only_the_question(builder, asked, block: int) -> int:
         len(p) - max((len(p) - 1) // block * block, s) for p, s in zip(prompts, stored))
 
 
+def causal_lms_with_weights() -> int:
+    """Causal LMs in this process with any parameter off the meta device (the retrievers' encoders are not
+    causal LMs)."""
+    from transformers import GenerationMixin
+
+    return sum(1 for o in gc.get_objects()
+               if isinstance(o, GenerationMixin) and any(not p.is_meta for p in o.parameters()))
+
+
 def main() -> None:
     # the KV memory of the CPU build: 1 GiB per rank, not the default share of the machine's RAM
     # (``vllm/platforms/cpu.py:323-327``), beside the other tests
@@ -39,21 +51,24 @@ def main() -> None:
     store = DocumentStore.open(store_dir)
     # the engine computes in the transformers model's dtype (float32 here), so the two backends are the same
     # arithmetic and the betas agree to float32 rounding (the test's 1e-4)
-    settings = VLLMSettings(**{"dtype": str(store.llm.dtype).removeprefix("torch."), **json.loads(settings_json)})
-    engine = shared_engine(store.llm.path, settings)  # first: before retrieval imports its libraries
-    warm = (engine.warm_up(store.generator.builder, [d.render() for d in store.documents])
-            if "--warm-up" in sys.argv[4:] else 0)
+    model = store.model_for("vllm")  # its config, tokenizer and chat template: the engine loads the weights
+    settings = VLLMSettings(**{"dtype": str(model.dtype).removeprefix("torch."), **json.loads(settings_json)})
+    engine = shared_engine(model.path, settings)  # first: before retrieval imports its libraries
+    builder = store.generator_for("vllm", settings).builder
+    warm = engine.warm_up(builder, [d.render() for d in store.documents]) if "--warm-up" in sys.argv[4:] else 0
+    base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32))
+    served = {}
+    for question in json.loads(open(questions_file).read()):  # every vLLM answer before the first transformers one
+        asked = ask(store, question, replace(base, backend="vllm", backend_settings=settings))
+        served[question] = (asked, asked.json(), asked.answer())
     core = type(engine.loop.llm.llm_engine.engine_core).__name__  # SyncMPClient: the engine in its own process
-    print(json.dumps({"warm_up_tokens": warm, "engine_core": core, "reads_store": engine.reads_store}), flush=True)
-    for question in json.loads(open(questions_file).read()):
-        base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32))
+    print(json.dumps({"warm_up_tokens": warm, "engine_core": core, "reads_store": engine.reads_store,
+                      "weights_here": causal_lms_with_weights()}), flush=True)
+    for question, (asked, answer_json, answer) in served.items():
         reference = ask(store, question, base)
-        served = ask(store, question, replace(base, backend="vllm", backend_settings=settings))
-        answer = served.answer()
-        print(json.dumps({"question": question, "transformers": reference.json(), "vllm": served.json(),
+        print(json.dumps({"question": question, "transformers": reference.json(), "vllm": answer_json,
                           "vllm_stats": answer.stats,
-                          "only_the_question": only_the_question(store.generator.builder, served, settings.block_size)}),
-              flush=True)
+                          "only_the_question": only_the_question(builder, asked, settings.block_size)}), flush=True)
     engine.close()  # the engine's thread ends and it leaves the shared table
     print(json.dumps({"closed": not engine.loop._thread.is_alive() and engine.loop.llm is None
                       and shared_engine.__globals__["_ENGINES"] == {}}), flush=True)

@@ -8,6 +8,8 @@ from ..llm import LoadedModel
 from .buffer import BufferCache, forward_slots
 from .segment import DocKV
 
+ENCODING = "to encode documents' KV caches"  # why a model loaded without weights gets them here
+
 
 def _kv_from_cache(cache: BufferCache, row: int, start: int, end: int) -> DocKV:
     return DocKV(
@@ -18,6 +20,7 @@ def _kv_from_cache(cache: BufferCache, row: int, start: int, end: int) -> DocKV:
 
 @torch.inference_mode()
 def encode_prefix(llm: LoadedModel, prefix_ids: list[int]) -> DocKV:
+    llm = llm.with_weights(ENCODING)
     cache = BufferCache.allocate(llm.model, 1, len(prefix_ids))
     valid = torch.ones(1, len(prefix_ids), dtype=torch.bool, device=llm.device)
     ids = torch.tensor([prefix_ids], device=llm.device)
@@ -29,6 +32,7 @@ def encode_prefix(llm: LoadedModel, prefix_ids: list[int]) -> DocKV:
 @torch.inference_mode()
 def encode_documents(llm: LoadedModel, prefix: DocKV, documents: list[list[int]]) -> list[DocKV]:
     """Encode a batch of documents after the shared prefix in one forward (right-padded)."""
+    llm = llm.with_weights(ENCODING)
     prefix_len, longest = prefix.n_tokens, max(len(ids) for ids in documents)
     batch = len(documents)
     cache = BufferCache.allocate(llm.model, batch, prefix_len + longest)

@@ -48,9 +48,11 @@ class TransformersBackend(Backend):
         return cache_root() / KV_DIR / f"{model.name}-{model.fingerprint[:8]}-{template.name}-{storage_dtype}"
 
     def open_caches(self, model: Any, builder: Any, directory: Path, settings: Any, **policy: Any) -> Any:
+        """The caches of ``directory``, for rows this backend runs with ``model``'s weights: a model
+        another backend loaded without them (vLLM's, in a store both serve) gets them now."""
         from ...kv.store import KVStore
 
-        return KVStore(directory, model, builder, **policy)
+        return KVStore(directory, model.with_weights(f"for the {self.name} backend"), builder, **policy)
 
     def cache_files(self, directory: Path) -> Path:
         return Path(directory) / KV_DIR

@@ -14,17 +14,23 @@ from ...backend import WorkShape
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads (the input embedding only if tied to the output layer)."""
+    """Bytes of the weights a decode step reads (the input embedding only if tied to the output layer).
+    A model on the meta device (loaded without weights) counts the same: its tensors have no
+    storage to compare, so a tied weight is known by being the same parameter."""
     seen, total = set(), 0
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
-    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
+    tied = output is not None and _storage(output.weight) == _storage(embedding)
     for param in model.parameters():
-        if param.data_ptr() in seen or (param is embedding and not tied):
+        if _storage(param) in seen or (param is embedding and not tied):
             continue
-        seen.add(param.data_ptr())
+        seen.add(_storage(param))
         total += param.numel() * param.element_size()
     return total
+
+
+def _storage(param: torch.Tensor) -> int:
+    return id(param) if param.is_meta else param.data_ptr()
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

@@ -2,9 +2,12 @@
 
 A question is N+1 requests of the engine, decided together by pced's logits processor
 (``engine``, ``groups``, ``processor``); many questions decode together (continuous batching).
-The model is the store's Hugging Face folder (the engine loads its own weights; pced keeps the
-torch model for the tokenizer and the prompts), the document caches are the transformers
-backend's ``kv/`` (this backend encodes none of its own). It runs PCED only, greedily, without
+The model is the store's Hugging Face folder: the engine loads its weights, pced's process holds
+its config, tokenizer and chat template only (``load_model``), and loads the weights too only for
+what transformers runs there (a baseline method on the default backend, a document's KV encoded
+for the store), saying so. The document caches are the transformers backend's ``kv/`` (this
+backend encodes none of its own). Settings vLLM would refuse for the model are refused before an
+engine starts (``fit.engine_refusal``). It runs PCED only, greedily, without
 decode-time relevance or the loop's n-gram ban (vLLM's sampler decides the token). Nothing heavy is
 imported at module level (vLLM loads with the first engine).
 """
@@ -80,22 +83,52 @@ class VLLMBackend(TransformersBackend):
         except ValueError as exc:
             raise UserError(str(exc)) from None
 
+    # -- the model: its config, tokenizer and chat template; the engine loads the weights ------------
+    def load_model(self, model: str | None, settings: Any, device: str | None = None, dtype: str = "auto") -> Any:
+        from ...llm import load_model
+
+        return load_model(model, device=device, dtype=dtype, weights=False)
+
+    def refusal_for(self, llm: Any, settings: VLLMSettings) -> str | None:
+        """Why vLLM would refuse an engine with ``settings`` for ``llm`` (decided from its config), or None."""
+        from .fit import engine_refusal
+
+        return engine_refusal(llm.model.config, settings, cuda=llm.device.type == "cuda",
+                              tokenizer_max_length=getattr(llm.tokenizer, "model_max_length", None))
+
+    def _engine(self, llm: Any, settings: VLLMSettings) -> Any:
+        """The process's engine for ``llm`` and ``settings``. What vLLM would refuse is refused first,
+        in one line, before vLLM is imported (vLLM finds it in its engine process, minutes later)."""
+        reason = self.refusal_for(llm, settings)
+        if reason is not None:
+            raise UserError(reason)
+        from .engine import shared_engine
+
+        return shared_engine(llm.path, settings)
+
     # -- document caches: the transformers backend's (kv/), read, never written as its own --------------
     def cache_dirs(self, root: Path) -> list[Path]:
         return []
 
+    def open_caches(self, model: Any, builder: Any, directory: Path, settings: Any, **policy: Any) -> Any:
+        """The store's caches as the engine reads them (their files, through pced's connector): no
+        device tier, and no weights loaded here for them."""
+        from ...kv.store import KVStore
+        from ...kv.tier_settings import CacheTiers
+
+        no_device_tier = CacheTiers(gpu_cache_gb=0, pinned_staging=False)
+        return KVStore(directory, model, builder, **{**policy, "tiers": no_device_tier})
+
     # -- a question -----------------------------------------------------------------------
     def prepare(self, model: Any, settings: VLLMSettings) -> None:
         """Start the engine before the retrieval libraries load (vLLM 0.32 scans them at start)."""
-        from .engine import shared_engine
-
-        shared_engine(model.path, settings)
+        self._engine(model, settings)
 
     def expert_rows(self, generator: Any, candidates: list, question: str, sampling: Any, rule: Any,
                     max_joins: int = 0) -> Any:
-        from .engine import EngineRows, shared_engine
+        from .engine import EngineRows
 
-        return EngineRows(shared_engine(generator.llm.path, generator.settings), generator.builder, candidates,
+        return EngineRows(self._engine(generator.llm, generator.settings), generator.builder, candidates,
                           question, rule, sampling, store=generator.caches)  # the engine reads the documents' KV there
 
     def pced_scoring(self, rows: Any, rule: Any, candidates: list) -> Any:
@@ -107,10 +140,8 @@ class VLLMBackend(TransformersBackend):
     def warm_up(self, store: Any, settings: VLLMSettings) -> dict:
         """Start the engine; with ``settings.warm_up`` also prefill every stored document into its
         prefix cache (with ``store_kv`` a document is read from the store when first asked for)."""
-        from .engine import shared_engine
-
         generator = store.generator_for(self, settings)
-        engine = shared_engine(generator.llm.path, settings)
+        engine = self._engine(generator.llm, settings)
         if not settings.warm_up:
             source = ("documents' KV read from the store's caches" if engine.reads_store
                       else "documents prefilled by vLLM when first asked for")
@@ -124,9 +155,7 @@ class VLLMBackend(TransformersBackend):
 
     def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
         """The engine started (no warm-up: with ``store_kv`` the documents come from the store)."""
-        from .engine import shared_engine
-
-        engine = shared_engine(generator.llm.path, generator.settings)
+        engine = self._engine(generator.llm, generator.settings)
         return {"engine_start_s": engine.start_s, "reads_store": engine.reads_store}
 
     def bench_forget(self, generator: Any) -> None:
@@ -178,3 +207,15 @@ class VLLMBackend(TransformersBackend):
 
         engine = running_engine(generator.llm.path, generator.settings)  # never started by a health check
         return {} if engine is None else dict(engine.counters)
+
+    def failure(self, generator: Any) -> str | None:
+        from .engine import running_engine
+
+        engine = running_engine(generator.llm.path, generator.settings)
+        death = None if engine is None else engine.loop.death
+        return None if death is None else str(death)
+
+    def shutdown(self) -> None:
+        from .engine import close_engines
+
+        close_engines()

@@ -1,0 +1,122 @@
+"""Settings vLLM 0.32 refuses for a model, decided from tiny configs in pced's process
+(``pced.backends.vllm.fit``): tensor parallelism against the attention and key-value heads, the
+window, and the KV cache one sequence of the window needs."""
+
+import pytest
+from transformers import DeepseekV3Config, LlamaConfig, MistralConfig
+
+from pced.backends.vllm.fit import engine_refusal, model_window
+from pced.backends.vllm.settings import VLLMSettings
+
+pytestmark = pytest.mark.transformers_api  # configs transformers builds (their text config, RoPE parameters)
+
+
+def llama(heads: int = 4, kv: int = 2, **extra) -> LlamaConfig:
+    return LlamaConfig(**{"vocab_size": 64, "hidden_size": 16 * heads, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 16,
+                          "max_position_embeddings": 2048, **extra})
+
+
+def refusal(config, cuda: bool = False, tokenizer_max_length: int | None = None, **settings) -> str | None:
+    return engine_refusal(config, VLLMSettings(**settings), cuda=cuda, tokenizer_max_length=tokenizer_max_length)
+
+
+def test_tensor_parallel_size_must_split_the_attention_heads():
+    embedded = llama(heads=9, kv=3)  # the embedded model's heads
+    assert refusal(embedded, tensor_parallel_size=2) == (
+        "tensor parallel size 2 does not fit this model: vLLM splits its 9 attention heads evenly over the ranks; "
+        "sizes that fit: 1, 3, 9")
+    assert refusal(embedded, tensor_parallel_size=3) is None
+    assert refusal(embedded, tensor_parallel_size=9) is None  # 3 ranks replicate each key-value head
+
+
+def test_tensor_parallel_size_must_split_the_key_value_heads_or_replicate_each_on_whole_ranks():
+    config = llama(heads=12, kv=4)
+    assert refusal(config, tensor_parallel_size=2) is None  # 2 key-value heads a rank
+    assert refusal(config, tensor_parallel_size=4) is None
+    assert refusal(config, tensor_parallel_size=12) is None  # each key-value head on 3 ranks
+    message = refusal(config, tensor_parallel_size=6)  # divides the 12 heads, not the 4 key-value heads
+    assert message.startswith("tensor parallel size 6 does not fit this model: vLLM splits its 4 key-value heads")
+    assert message.endswith("sizes that fit: 1, 2, 4, 12")
+    assert refusal(llama(heads=8, kv=8), tensor_parallel_size=8) is None  # no grouped-query attention
+
+
+def test_max_model_len_must_fit_the_window_vllm_derives(monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    config = llama()
+    assert refusal(config, max_model_len=2048) is None
+    assert refusal(config, max_model_len=2049) == (
+        "max model len 2049 is longer than this model's 2048-token window, which vLLM refuses "
+        "(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 overrides it); give 2048 or less")
+    assert refusal(config, tokenizer_max_length=1024, max_model_len=1025).startswith(
+        "max model len 1025 is longer than this model's 1024-token window")
+    assert refusal(config, tokenizer_max_length=int(1e30), max_model_len=2048) is None  # the tokenizer sets no limit
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert refusal(config, max_model_len=4096) is None
+
+
+def test_the_window_scales_with_rope_as_vllm_scales_it():
+    linear = llama(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    assert model_window(linear) == 8192 and refusal(linear, max_model_len=8192) is None
+    llama3 = llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+                                    "rope_theta": 10000.0})
+    assert model_window(llama3) == 2048  # its max_position_embeddings is already the scaled window
+
+
+def test_one_sequence_of_the_window_must_fit_the_kv_cache_given(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    # 2 layers x 2 key-value heads x (16 + 16) x 4 bytes = 512 B a token: a block of 32 is 16 KiB;
+    # 64 tokens take 2 blocks, beside the one block the pool holds back: 48 KiB
+    config, needed = llama(), 3 * 32 * 512
+    assert refusal(config, max_model_len=64, kv_cache_gb=needed / 2**30) is None
+    message = refusal(config, max_model_len=64, kv_cache_gb=(needed - 1) / 2**30)
+    assert message.startswith("a KV cache of 4.57") and "cannot hold one sequence of 64 tokens" in message
+    # unset, the window is the model's (2048 tokens: 1 MiB); on CUDA at most 16,384 tokens
+    assert refusal(config, kv_cache_gb=1 / 1024) is not None and refusal(config, kv_cache_gb=1.1 / 1024) is None
+    long = llama(max_position_embeddings=1 << 20)
+    assert "one sequence of 16384 tokens" in refusal(long, cuda=True, kv_cache_gb=0.001)
+    assert refusal(long, cuda=True, kv_cache_gb=16384 * 256 / 2**30 * 1.01) is None  # "auto": 2-byte keys and values
+
+
+def test_the_kv_cache_edge_is_vllms_own(monkeypatch):
+    """The embedded model's shape in float32 with 32-token blocks: vLLM's engine refused 0.3529 GiB
+    and started with 0.353 GiB (257 blocks: one sequence of 8192 tokens and the null block)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    embedded = LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    assert "it needs 0.353 GiB a rank" in refusal(embedded, kv_cache_gb=0.3529)
+    assert refusal(embedded, kv_cache_gb=0.353) is None
+
+
+def test_the_cpu_builds_kv_cache_space_replaces_the_size_given(monkeypatch):
+    long = llama(max_position_embeddings=1 << 20)  # float32 on the CPU: 512 MiB a sequence
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert refusal(long, kv_cache_gb=100) is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert refusal(long, kv_cache_gb=100).startswith("a KV cache of 0 GiB (VLLM_CPU_KVCACHE_SPACE) cannot hold")
+    assert refusal(long, cuda=True, kv_cache_gb=100) is None  # the CPU build's variable only
+
+
+def test_ranks_hold_their_share_of_the_kv_heads(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config, needed = llama(), 3 * 32 * 512
+    assert refusal(config, max_model_len=64, kv_cache_gb=(needed - 1) / 2**30) is not None
+    assert refusal(config, max_model_len=64, tensor_parallel_size=2, kv_cache_gb=needed / 2 / 2**30) is None
+
+
+def test_models_with_windowed_layers_are_left_to_vllm():
+    windowed = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, sliding_window=256)
+    assert refusal(windowed, kv_cache_gb=1e-6) is None
+
+
+def test_latent_attention_is_refused_with_the_store_connector_before_an_engine_starts():
+    latent = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    message = refusal(latent)  # --store-kv is the default
+    assert message.startswith("pced's store connector cannot serve deepseek_v3's multi-head latent attention")
+    assert message.endswith("with --no-store-kv")
+    assert refusal(latent, store_kv=False) is None
+    assert refusal(latent, kv_transfer_config=None, store_kv=False, tensor_parallel_size=4) is None

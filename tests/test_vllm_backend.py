@@ -4,8 +4,9 @@ read from float16 and int8 stores through pced's connector (also under a small t
 found in the prefix cache after a warm-up, and with the model split over two ranks; pced's process
 holds no causal LM with weights while vLLM answers.
 
-vLLM 0.32 must start its engine before the retrieval libraries are imported, so the comparison
-runs in a fresh process (tests/helpers/vllm_compare.py)."""
+vLLM 0.32 must start its engines before the retrieval libraries are imported, so the comparison
+runs in a fresh process (tests/helpers/vllm_compare.py), once for every case: its engines start
+together, and cases with the same engine settings share one engine."""
 
 import importlib.util
 import json
@@ -43,18 +44,23 @@ def demo_stores(tmp_path_factory, embedded_llm):
 
 
 @pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory, embedded_tokenizer_dir):
-    """The demo corpus indexed with a tiny random Llama that splits over 2 ranks: 4 attention
-    heads, 2 KV heads (the embedded model's 9 and 3 do not divide by 2), of 32 dimensions (the
-    smallest vLLM's CPU attention runs: ``v1/attention/backends/cpu_attn.py:69-70``; the shared
-    tiny model's are 16)."""
+def tiny_model(tmp_path_factory, embedded_tokenizer_dir) -> Path:
+    """A tiny random Llama that splits over 2 ranks: 4 attention heads, 2 KV heads (the embedded
+    model's 9 and 3 do not divide by 2), of 32 dimensions (the smallest vLLM's CPU attention runs:
+    ``v1/attention/backends/cpu_attn.py:69-70``; the shared tiny model's are 16)."""
     from helpers.tiny_llama import save_tiny_llama
 
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), embedded_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory, tiny_model):
+    """The demo corpus indexed with the tiny model."""
     from pced.corpus.reader import read_corpus
     from pced.llm import load_model
     from pced.store import IndexSettings, index_store
 
-    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32"), embedded_tokenizer_dir)
+    model_dir = tiny_model
     root = tmp_path_factory.mktemp("vllm-tiny") / "store"
     with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
         index_store(read_corpus(corpus), root, IndexSettings(model=str(model_dir), storage_dtype="float32"),
@@ -64,15 +70,38 @@ def tiny_store(tmp_path_factory, embedded_tokenizer_dir):
     return root
 
 
-def compare(store: Path, settings: dict, *flags: str) -> list[dict]:
-    result = subprocess.run([sys.executable, str(COMPARE), str(store), str(store.parent / "questions.json"),
-                             json.dumps(settings), *flags], capture_output=True, text=True, timeout=1500)
-    assert result.returncode == 0, result.stderr[-2000:]
+KV = {"kv_cache_gb": 0.5}  # a rank's KV cache, beside the other engines of the comparison
+SMALL_BUDGET = {"max_model_len": 256, "max_num_batched_tokens": 256, **KV}
+# name -> (store, engine settings, warm-up): the float16 and int8 stores share one engine (its prefix
+# cache emptied between them); the tiny model's rows cover the prefix cache after a warm-up (store off)
+# and one rank against two.
+JOBS = {
+    "float16 store caches, small token budget": ("float16", SMALL_BUDGET, False),
+    "int8 store caches, small token budget": ("int8", SMALL_BUDGET, False),
+    "prefix cache after warm-up": ("tiny", {"store_kv": False, **KV}, True),
+    "one rank": ("tiny", {"tensor_parallel_size": 1, **KV}, False),
+    "two ranks": ("tiny", {"tensor_parallel_size": 2, **KV}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def compared(demo_stores, tiny_store, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every job of JOBS in one process (tests/helpers/vllm_compare.py): the job's rows by name."""
+    questions = json.loads((tiny_store.parent / "questions.json").read_text())
+    jobs = [{"name": name, "store": str(tiny_store if store == "tiny" else demo_stores(store)), "questions": questions,
+             "settings": settings, "warm_up": warm_up} for name, (store, settings, warm_up) in JOBS.items()]
+    path = tmp_path_factory.mktemp("vllm-compare") / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    result = subprocess.run([sys.executable, str(COMPARE), str(path)], capture_output=True, text=True, timeout=2400)
+    assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines[0]["engine_core"] == "SyncMPClient"  # vLLM's default: the engine in processes of its own
-    assert lines[0]["weights_here"] == 0  # every vLLM answer given, no causal LM with weights in pced's process
-    assert lines[-1] == {"closed": True}  # the engine was released
-    return lines[1:-1]
+    assert lines[0] == {"weights_here": 0}  # every vLLM answer given, no causal LM with weights in pced's process
+    assert lines[-1] == {"closed": True}  # every engine was released
+    rows = {name: [line for line in lines[1:-1] if line["job"] == name] for name in JOBS}
+    for name, job_rows in rows.items():
+        assert job_rows[0]["engine_core"] == "SyncMPClient"  # vLLM's default: the engine in processes of its own
+        assert len(job_rows) == 1 + len(questions), name
+    return {name: job_rows[1:] for name, job_rows in rows.items()}
 
 
 def same_as_transformers(rows: list[dict]) -> None:
@@ -84,23 +113,20 @@ def same_as_transformers(rows: list[dict]) -> None:
         assert row["vllm_stats"]["degraded_steps"] == 0
 
 
-@pytest.mark.parametrize("dtype, settings, flags", [
-    ("float16", {}, ()),
-    ("float16", {"max_model_len": 256, "max_num_batched_tokens": 256}, ()),
-    ("int8", {}, ()),
-    ("float32", {"store_kv": False}, ("--warm-up",)),
-], ids=["store caches", "store caches, small token budget", "int8 store caches", "prefix cache after warm-up"])
-def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_stores, dtype, settings, flags):
+@pytest.mark.parametrize("job", ["float16 store caches, small token budget", "int8 store caches, small token budget",
+                                 "prefix cache after warm-up"])
+def test_vllm_answers_the_demo_questions_as_the_transformers_backend(compared, job):
     """Both backends read the same stored caches (float16, int8: the same dequantized values in
     float32), so answers, traces and betas agree; with the store's caches vLLM computes only each
-    question (vLLM's own counts), without them (warm-up) it finds the documents in its prefix cache."""
-    rows = compare(demo_stores(dtype), settings, *flags)
+    question (vLLM's own counts), without them (warm-up) it finds the documents in its prefix cache.
+    The engine's default token budget is the server's (tests/test_vllm_server.py)."""
+    rows = compared[job]
     assert len(rows) == 3
     same_as_transformers(rows)
     for number, row in enumerate(rows):
         stats = row["vllm_stats"]
         assert stats["cached_tokens"] > 0
-        if settings.get("store_kv", True):
+        if JOBS[job][1].get("store_kv", True):
             # the first question finds nothing cached: exactly its own tokens are computed; a later one
             # over a document already asked about may find the template's start after it cached too
             assert stats["store_tokens"] > 0 and stats["prefilled_tokens"] <= row["only_the_question"]
@@ -109,13 +135,14 @@ def test_vllm_answers_the_demo_questions_as_the_transformers_backend(demo_stores
             assert stats["store_tokens"] == 0 and stats["prefilled_tokens"] > row["only_the_question"]
 
 
-def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store):
+def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(compared):
     """Tensor parallelism on the CPU build (one core per rank here): the same answers and traces as
     one rank and as the transformers backend; the processor decides on both ranks and the trace
-    comes back from rank 0; pced's connector on each rank loads that rank's KV heads from the store.
-    The betas agree to float32 rounding: two ranks compute the logits with row-parallel layers that
+    comes back from rank 0; pced's connector on each rank loads that rank's KV heads from the store
+    (a rank loading another's head answers otherwise: the random model's logits are peaky). The
+    betas agree to float32 rounding: two ranks compute the logits with row-parallel layers that
     sum in another order (all-reduce)."""
-    one, two = compare(tiny_store, {"tensor_parallel_size": 1}), compare(tiny_store, {"tensor_parallel_size": 2})
+    one, two = compared["one rank"], compared["two ranks"]
     assert len(one) == len(two) == 3
     same_as_transformers(one)
     same_as_transformers(two)
@@ -126,11 +153,12 @@ def test_two_ranks_answer_as_one_rank_and_as_the_transformers_backend(tiny_store
     assert [r["vllm_stats"]["store_tokens"] for r in one] == [r["vllm_stats"]["store_tokens"] for r in two]
 
 
-def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path):
+def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path, tiny_model):
+    """The bench's plumbing on the tiny model (its tables, vLLM's counts, every time against its floor)."""
     from helpers.cli import run_pced
 
     out = tmp_path / "bench"
-    result = run_pced("bench", "--backend", "vllm", "--ks", "2", "--doc-tokens", "64", "--concurrency", "3",
+    result = run_pced("bench", "--backend", "vllm", "--model", str(tiny_model), "--ks", "2", "--doc-tokens", "64", "--concurrency", "3",
                       "--repeats", "1", "--new-tokens", "16", "--kv-cache-gb", "0.5", "--remeasure", "--out", str(out),
                       timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -3,11 +3,13 @@ subprocess, the official ``openai`` client, streaming and not, many questions at
 
 Questions sent together decode together in the one engine (continuous batching); each must still
 get exactly the transformers backend's answer, with no degraded (incomplete-group) step, and a
-baseline request sent beside them runs on the transformers lane with its own exact answer."""
+baseline request sent beside them runs on the transformers lane with its own exact answer. The
+last test kills the engine's worker process and watches the server stop for its supervisor."""
 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +41,8 @@ def store_dir(tmp_path_factory, embedded_llm):
 
 
 @pytest.fixture(scope="module")
-def server(store_dir, tmp_path_factory):
+def serving(store_dir, tmp_path_factory):
+    """The module's ``pced serve --backend vllm``: (url, log, process)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve-log") / "server.log"
     with open(log, "w") as out:
@@ -49,10 +52,16 @@ def server(store_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log, time.monotonic() + 600)
-        yield url, log
+        yield url, log, process
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(serving):
+    url, log, _ = serving
+    return url, log
 
 
 def reference(store_dir, question: str, method: str = "pced") -> str:
@@ -120,3 +129,34 @@ def test_sampling_on_the_vllm_backend_is_refused_with_a_clear_error(server):
                                                            "messages": [{"role": "user", "content": "Hi?"}]})
     assert reply.status_code == 400
     assert "greedily" in reply.json()["error"]["message"]
+
+
+DEAD_BOUND_S = 30  # the kill to the 503s (at once) and to the exit (vLLM's detection, DEAD_NOTICE_S, the shutdown)
+
+
+def test_a_killed_engine_worker_ends_requests_with_503_and_the_server_exits_for_its_supervisor(serving):
+    """Last in this module: it ends the module's server."""
+    import psutil
+
+    from pced.server.lifecycle import ENGINE_DEAD_EXIT
+
+    url, log, process = serving
+    workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "Worker" in p.name()]
+    assert workers, [p.name() for p in psutil.Process(process.pid).children(recursive=True)]
+    body = {"model": "pced", "messages": [{"role": "user", "content": questions()[0]}], "max_tokens": 200,
+            "stream": True, "pced": PCED}
+    with httpx.Client(base_url=url, timeout=DEAD_BOUND_S) as http:  # a request that waited longer fails the test
+        with http.stream("POST", "/v1/chat/completions", json=body) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if '"doc_id"' in line)  # decoding on the engine
+            os.kill(workers[0].pid, signal.SIGKILL)
+            rest = [line[5:].strip() for line in lines if line.startswith("data:")]
+        assert rest[-1] == "[DONE]"  # the answer in flight ends: whole, or with the engine's death
+        errors = [json.loads(data)["error"] for data in rest[:-1] if '"error"' in data]
+        assert all(error["code"] == "engine_dead" for error in errors), errors
+        after = http.post("/v1/chat/completions", json={**body, "stream": False})
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead", after.text
+        health = http.get("/health")
+        assert health.status_code == 503, health.text
+        assert health.json()["status"] == "not ready" and health.json()["reason"] == "engine_dead"
+    assert process.wait(timeout=DEAD_BOUND_S) == ENGINE_DEAD_EXIT, log.read_text()[-3000:]

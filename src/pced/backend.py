@@ -237,6 +237,14 @@ class Backend:
         """The backend's counters for /health."""
         return {}
 
+    def failure(self, generator: Any) -> str | None:
+        """Why this process can answer with the backend no more (its engine died), or None. The
+        server then refuses every request and exits for its supervisor to start a fresh process."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release what serving started (an engine's processes) as the server stops. Nothing by default."""
+
     # -- bench hooks ----------------------------------------------------------------------
     def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
         """Before a bench times ``generator`` over ``documents`` (rendered texts): what the backend

@@ -5,6 +5,9 @@
 - ``DataError``: pced's own stored data is damaged or does not match (a truncated cache, a store
   built with another model, an index out of step with its documents). One line naming the file,
   exit 2 on the CLI; a 500 that says so on the server.
+- ``EngineDeadError``: a backend's engine died (one of its processes was killed or crashed). This
+  process can answer with it no more: exit 1 on the CLI; a 503 on the server, which then stops
+  for its supervisor to start a fresh process (``pced.server.lifecycle``).
 
 Anything else is a bug: the CLI says "internal error, please report" with the traceback, the
 server answers 500 and logs the traceback. Front ends catch these classes by name, never
@@ -31,3 +34,9 @@ class DataError(PcedError, RuntimeError):
     """Stored data that is damaged or does not match what reads it (exit 2, HTTP 500)."""
 
     code = "damaged_data"
+
+
+class EngineDeadError(PcedError, RuntimeError):
+    """A backend's engine died; only a fresh process has it again (exit 1, HTTP 503, then the server stops)."""
+
+    code = "engine_dead"

@@ -1,4 +1,5 @@
-"""``pced serve DIR``: load the store and the model once, then serve them over HTTP (FastAPI + uvicorn)."""
+"""``pced serve DIR``: load the store and the model once, then serve them over HTTP (FastAPI + uvicorn)
+until SIGTERM drains it or its engine dies (``server.lifecycle``: exit 0, or ``ENGINE_DEAD_EXIT``)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def add_serve_parser(sub) -> None:
     limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
                         help="stop a request that has run this long (retrieval and generation, not its time in the "
                              f"queue) with a 504 (default {defaults.request_timeout_s:g})")
+    limits.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout_s, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl+C, how long the requests already accepted may still run while new "
+                             f"ones get 503; then they end and the server exits (default {defaults.drain_timeout_s:g})")
     limits.add_argument("--request-cache-gb", type=float, default=defaults.request_cache_gb,
                         help="disk for the KV caches of documents sent with requests, least recently used evicted "
                              f"(default {defaults.request_cache_gb:g}; never written into the store)")
@@ -68,20 +72,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.request_cache_gb) and args.request_cache_gb > 0):
         raise InputError(f"--request-cache-gb must be a number > 0, got {args.request_cache_gb}")
     try:
-        import uvicorn
-
         from ..server import Limits, create_app
+        from ..server.lifecycle import exit_now, serve
     except ImportError as exc:
         raise InputError(f"pced serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn") from None
 
     if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
         raise InputError(f"--request-timeout must be a finite number of seconds > 0, got {args.request_timeout}")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise InputError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     api_key = args.api_key or os.environ.get("PCED_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_queue=args.max_queue,
                     max_documents=args.max_documents, max_concurrent=args.max_concurrent,
                     request_cache_gb=args.request_cache_gb,
                     default_max_tokens=min(Limits.default_max_tokens, args.max_tokens),
-                    request_timeout_s=args.request_timeout)
+                    request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout)
     settings = backend_settings_from(args)
     store = open_store(args)
     print(f"pced: loading {store.settings.model} and the retrievers of {args.store} ...", file=sys.stderr)
@@ -95,5 +100,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"pced: {len(store.documents)} documents; open http://{shown}:{args.port}/ "
           f"(OpenAI base_url http://{shown}:{args.port}/v1){'; API key required' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    exit_now(serve(app, args.host, args.port, args.log_level, limits.drain_timeout_s))

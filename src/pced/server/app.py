@@ -2,7 +2,9 @@
 HTTP, health, models, and the page at ``/``.
 
 Every refusal is a 4xx with ``{"error": {"message", "type", "param", "code"}}``; unexpected
-failures are a 500 with the same shape and no traceback (that goes to the server log).
+failures are a 500 with the same shape and no traceback (that goes to the server log). A server
+that cannot answer (it drains, or its engine died) says so with a 503 of that shape, and /health
+answers 503 ``not ready`` naming the cause.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding.loop import TimeLimitError
-from ..errors import UserError
+from ..errors import EngineDeadError, UserError
 from ..options import AskOptions
 from .responses import (SSE_DONE, chat_completion, clean, error_body, final_chunk, first_chunk, new_id,
                         pced_contract, sse, token_chunk)
 from .schemas import AnswerRequest, ChatRequest, Limits, RequestError, answer_job, chat_job, form_defaults
-from .worker import Finished, Run, Started, Worker, is_client_error, is_data_error, next_event
+from .worker import Finished, Run, Started, Worker, engine_dead, is_client_error, is_data_error, next_event
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 1.0  # a queued stream gets a comment this often until its generation starts
@@ -49,6 +51,8 @@ def as_request_error(exc: BaseException) -> RequestError:
         return exc
     if is_client_error(exc):
         return RequestError(str(exc), None, getattr(exc, "code", None) or "invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(str(exc))
     if isinstance(exc, TimeLimitError):
         return RequestError(f"{exc}; ask for fewer tokens or documents", None, exc.code, status=504, type_="server_error")
     if is_data_error(exc):
@@ -247,10 +251,15 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "documents": len(worker.store.documents), "pending": worker.pending,
+        refusal = worker.refusal()
+        body = {"status": "ok", "model": model_name, "documents": len(worker.store.documents), "pending": worker.pending,
                 "last_tokens": worker.last_tokens, **worker.counts, "backend": worker.backend_health(),
                 "kv_pool": worker.pool_health(), "store": worker.store_health(),
                 "request_cache": worker.request_cache_health()}
+        if refusal is None:
+            return body
+        return JSONResponse(clean({**body, "status": "not ready", "reason": refusal.code, "message": refusal.message}),
+                            status_code=503)
 
     @app.get("/defaults")
     async def defaults():

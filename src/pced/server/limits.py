@@ -15,7 +15,7 @@ SAMPLING = SamplingConfig()
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for; every violation is a 4xx."""
+    """What one request may ask for (every violation is a 4xx), and how long the server drains as it stops."""
 
     max_body_bytes: int = 1_000_000
     max_question_chars: int = MAX_QUESTION_CHARS
@@ -31,6 +31,9 @@ class Limits:
     max_queue: int = 64
     max_concurrent: int = 32  # questions decoding at once on a backend whose engine batches them (others: one)
     request_timeout_s: float = 120.0  # one request's retrieval and generation, from when it starts running
+    # after SIGTERM, how long accepted requests may still run (so that with the engine's shutdown the
+    # server is gone within Kubernetes' default 30 s grace period); then they end with a 503
+    drain_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -8,6 +8,12 @@ later ``step()`` happen on the same thread.
 ``submit(prompts, params, sink)`` queues the requests; after each step ``sink(output)`` is called
 (on the engine thread: keep it short) with every ``RequestOutput`` of those requests. If the engine
 fails, every live sink gets ``sink(exception)`` and the loop refuses further work.
+
+An engine that dies (one of vLLM's processes killed or crashed) is found as soon as vLLM marks
+it dead: every live request and every later ``submit`` get an ``EngineDeadError`` at once, and
+``death`` says why. Nothing restarts it here: a process whose worker died may hold device and
+shared memory the dead worker left behind, so only a fresh process is clean (the server exits
+for its supervisor to restart it, ``pced.server.lifecycle``).
 """
 
 from __future__ import annotations
@@ -17,15 +23,28 @@ import queue
 import threading
 from typing import Callable, Sequence
 
-from ...errors import PcedError
+from ...errors import EngineDeadError, PcedError
 from .channel import carriers
 
 log = logging.getLogger("pced.vllm")
 Sink = Callable[[object], None]  # a vllm RequestOutput, or the exception that stopped the engine
+WATCH_S = 0.05  # how often the watcher reads vLLM's engine_dead flag
 
 
 class EngineError(PcedError, RuntimeError):
-    """The vLLM engine stopped (it failed to start or failed in a step)."""
+    """The vLLM engine stopped (it failed to start, or it was closed)."""
+
+
+def engine_client(llm) -> object | None:
+    """vLLM's engine-core client of an ``LLM`` (``SyncMPClient`` when the engine runs in processes of its own)."""
+    return getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+
+
+def marked_dead(client) -> bool:
+    """Whether vLLM has marked its engine dead: its monitor of the engine-core processes
+    (v1/engine/core_client.py:800-827), an engine core's ENGINE_CORE_DEAD message after its
+    executor lost a worker (:570-573; v1/engine/core.py:1771-1774), or the client's shutdown (:512)."""
+    return bool(getattr(getattr(client, "resources", None), "engine_dead", False))
 
 
 class EngineLoop:
@@ -33,19 +52,31 @@ class EngineLoop:
         """``build()`` returns a ``vllm.LLM``; it runs on the loop's thread. Raises what it raised."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()  # the sinks and the failure: the engine thread and the watcher both end them
         self._failed: BaseException | None = None
+        self._closing = False
+        self._stopped = threading.Event()
         self._ready = threading.Event()
         self.llm = None
+        self._client = None
         self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._failed is not None:
             raise self._failed
+        threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
+
+    @property
+    def death(self) -> EngineDeadError | None:
+        """Why the engine died (None while it runs, and after ``close``)."""
+        failed = self._failed
+        return failed if isinstance(failed, EngineDeadError) else None
 
     def submit(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence, sink: Sink) -> None:
-        if self._failed is not None:
-            raise EngineError(f"the vLLM engine has stopped: {self._failed}")
-        self._commands.put(("add", list(zip(request_ids, prompts, params)), sink))
+        with self._lock:  # nothing is queued once the loop has failed: nobody would read it
+            if self._failed is not None:
+                raise self._refusal()
+            self._commands.put(("add", list(zip(request_ids, prompts, params)), sink))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._commands.put(("abort", list(request_ids), None))
@@ -53,9 +84,16 @@ class EngineLoop:
     def close(self, timeout: float = 60.0) -> None:
         """End the thread after the step in progress; live requests get an ``EngineError``, and the
         engine is released with the thread."""
+        self._closing = True  # the client's own shutdown marks it dead too (core_client.py:512): not a death
         self._commands.put(("close", None, None))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def _refusal(self) -> PcedError:
+        death = self.death
+        if death is not None:
+            return EngineDeadError(str(death))
+        return EngineError(f"the vLLM engine has stopped: {self._failed}")
 
     def _run(self, build) -> None:
         try:
@@ -64,6 +102,7 @@ class EngineLoop:
             self._failed = exc
             self._ready.set()
             return
+        self._client = engine_client(self.llm)
         self._ready.set()
         engine = self.llm.llm_engine
         try:
@@ -80,31 +119,72 @@ class EngineLoop:
                         self._stop(EngineError("the vLLM engine was closed"))
                         return
                     if kind == "abort":
-                        live = [r for r in payload if self._sinks.pop(r, None) is not None]
+                        with self._lock:
+                            live = [r for r in payload if self._sinks.pop(r, None) is not None]
                         if live:
                             engine.abort_request(live)
                     else:
                         self._add(engine, payload, sink)
                 if engine.has_unfinished_requests():
-                    for output in engine.step():
-                        sink = self._sinks.get(output.request_id)
+                    outputs = engine.step()
+                    with self._lock:
+                        sinks = [self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id)
+                                 for o in outputs]
+                    for sink, output in zip(sinks, outputs):
                         if sink is not None:
-                            if output.finished:
-                                del self._sinks[output.request_id]
                             sink(output)
         except BaseException as exc:
-            log.exception("the vLLM engine failed")
-            self._stop(EngineError(f"the vLLM engine failed: {exc}"))
+            if self._closing:  # a step cut short by the engine's own close: not a death
+                self._stop(EngineError("the vLLM engine was closed"))
+                return
+            # the loop takes no more work after this: to the server the engine is dead either way
+            log.error("the vLLM engine died: %s", exc, exc_info=not marked_dead(self._client))
+            self._stop(EngineDeadError(f"the vLLM engine died: {exc}"))
 
-    def _stop(self, error: EngineError) -> None:
-        self._failed = error
-        for sink in set(self._sinks.values()):
+    def _watch(self) -> None:
+        """When vLLM's monitor finds an engine-core process gone it shuts its client down, which
+        ends the thread that reads the engine's outputs without a word to ``get_output``
+        (core_client.py:811-817, :957-962, :989-999): a step in flight would wait for ever. Read the
+        flag vLLM sets; on death fail every request at once and wake the engine thread."""
+        while not self._stopped.wait(WATCH_S):
+            if self._closing or not marked_dead(self._client):
+                continue
+            error = EngineDeadError("the vLLM engine died: one of its processes exited (vLLM's log above says which)")
+            if self._fail(error):
+                log.error("%s", error)
+            outputs = getattr(self._client, "outputs_queue", None)
+            if outputs is not None:
+                outputs.put_nowait(error)  # get_output raises it (core_client.py:993-996): the step ends
+            self._commands.put(("close", None, None))  # an idle thread wakes and releases the engine
+            return
+
+    def _fail(self, error: BaseException) -> bool:
+        """Record the loop's failure (the first one stands) and hand it to every live request;
+        whether this was the first."""
+        with self._lock:
+            first = self._failed is None
+            if first:
+                self._failed = error
+            sinks = set(self._sinks.values())
+            self._sinks.clear()
+            error = self._failed
+        for sink in sinks:
             sink(error)
-        self._sinks.clear()
-        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if shutdown is not None and hasattr(shutdown, "shutdown"):
-            shutdown.shutdown()
+        return first
+
+    def _stop(self, error: BaseException) -> None:
+        self._fail(error)
+        self._stopped.set()
+        if self._client is not None and hasattr(self._client, "shutdown"):
+            self._client.shutdown()
         self.llm = None
+        while True:  # requests queued before the failure that the thread will never read
+            try:
+                kind, _, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                sink(self._failed)
 
     def _add(self, engine, requests, sink: Sink) -> None:
         from vllm.inputs import TokensPrompt
@@ -113,11 +193,19 @@ class EngineLoop:
         try:
             for request_id, prompt, params in requests:
                 engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-                self._sinks[request_id] = sink
+                with self._lock:
+                    if self._failed is not None:  # the watcher failed the loop meanwhile
+                        raise self._refusal()
+                    self._sinks[request_id] = sink
                 added.append(request_id)
         except Exception as exc:  # a request the engine refuses (too long, bad params): only its sender hears
-            for request_id in added:
-                self._sinks.pop(request_id, None)
+            with self._lock:
+                for request_id in added:
+                    self._sinks.pop(request_id, None)
+            if marked_dead(self._client) or self._failed is not None:
+                self._fail(EngineDeadError(f"the vLLM engine died: {exc}"))
+                sink(self._refusal())
+                return
             if added:
                 engine.abort_request(added)
             sink(exc)

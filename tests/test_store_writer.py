@@ -97,3 +97,23 @@ def test_a_store_written_before_generations_opens_and_its_old_chunks_are_replace
     assert retrievable_ids(store, "word5 word77 word301 short") == {"long", "long#1x"}
     index_store([Document("other", "Another one.")], root, settings(tiny_llm), llm=tiny_llm, progress=False)
     assert not (root / "documents.jsonl").exists()  # the old top-level state is swept once no reader can need it
+
+
+def test_a_run_that_extends_a_store_builds_it_as_it_was_built(tmp_path, tiny_model_dir):
+    """``pced index MORE --out STORE`` with no settings given takes the store's own (its model, template,
+    storage dtype, retrievers, reranker), not the defaults: it extends the store instead of refusing it."""
+    import json
+
+    from pced.cli import main
+    from pced.store import DocumentStore
+
+    first = write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "text": "Mira Quell founded Zorblax."}])
+    more = write_jsonl(tmp_path / "b.jsonl", [{"id": "b", "text": "Mira Quell moved to Port Ilden."}])
+    root = tmp_path / "store"
+    assert main(["index", str(first), "--out", str(root), "--model", str(tiny_model_dir), "--storage-dtype", "float32",
+                 "--template", "icl", "--reranker", str(tmp_path / "reranker")]) == 0
+    built = json.loads((root / "manifest.json").read_text())["settings"]
+    assert main(["index", str(more), "--out", str(root)]) == 0
+    store = DocumentStore.open(root)
+    assert [d.id for d in store.documents] == ["a", "b"] and store.manifest["settings"] == built
+    assert main(["index", str(more), "--out", str(root), "--storage-dtype", "int8"]) == 2  # one given differs: refused

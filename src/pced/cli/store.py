@@ -31,15 +31,22 @@ def add_index_parser(sub) -> None:
                    'question or corpus files (every paragraph once)')
     p.add_argument("--out", required=True, help="store directory (created, or extended if it exists)")
     p.add_argument("--model", default=None, help="the model the backend loads: a local Hugging Face causal LM, or what "
-                                                 "--backend's help names (default: embedded SmolLM2-135M-Instruct)")
+                                                 "--backend's help names (default: the store's, else embedded "
+                                                 "SmolLM2-135M-Instruct)")
     add_backend_options(p, "index", help="whose document caches to encode, each backend's in its own folder of the "
                                          "store (one store may hold several): " + "; ".join(
                                              f"{b.name}: {b.summary}" for b in all_backends()))
-    p.add_argument("--dense-model", default=defaults.dense_model, help="local sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--bge-m3", default=defaults.bge_m3, help="local BGE-M3 directory: sparse/dense/ColBERT from BGE-M3 instead of BM25/MiniLM")
-    p.add_argument("--reranker", default=defaults.reranker, help="local cross-encoder or bge-reranker-v2-m3 directory, used by pced ask")
-    p.add_argument("--template", choices=["rag", "icl"], default=defaults.template)
-    p.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=DEFAULT_STORAGE_DTYPE)
+    # left unset: an existing store's own (a run that extends a store builds it as it was built), else the defaults
+    p.add_argument("--dense-model", default=None, help="local sentence-transformers model (default: the store's, else "
+                                                       "packaged all-MiniLM-L6-v2)")
+    p.add_argument("--bge-m3", default=None, help="local BGE-M3 directory: sparse/dense/ColBERT from BGE-M3 instead of "
+                                                  "BM25/MiniLM (default: the store's)")
+    p.add_argument("--reranker", default=None, help="local cross-encoder or bge-reranker-v2-m3 directory, used by pced "
+                                                    "ask (default: the store's)")
+    p.add_argument("--template", choices=["rag", "icl"], default=None,
+                   help=f"prompt template (default: the store's, else {defaults.template})")
+    p.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None,
+                   help=f"the KV caches' dtype on disk (default: the store's, else {DEFAULT_STORAGE_DTYPE})")
     p.add_argument("--max-doc-tokens", type=int, default=defaults.max_doc_tokens,
                    help=f"longer documents are split into chunks (logged; default {defaults.max_doc_tokens})")
     p.add_argument("--lazy-kv", action="store_true",
@@ -118,9 +125,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if index_damage or (report["damaged"] and not args.remove) else 0
 
 
+# What a run that extends a store takes from it when left unset: the settings it was built with.
+INHERITED = ("model", "dense_model", "bge_m3", "reranker", "template", "storage_dtype")
+
+
 def cmd_index(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ..corpus.reader import read_corpus
     from ..store import IndexSettings, index_store
+    from ..store.manifest import recorded_settings
 
     logging.basicConfig(level=logging.WARNING, format="pced: %(message)s")
     if args.max_doc_tokens < 16:
@@ -128,11 +142,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.kv_budget_gb is not None and not (math.isfinite(args.kv_budget_gb) and args.kv_budget_gb > 0):
         raise InputError(f"--kv-budget-gb must be a number > 0, got {args.kv_budget_gb}")
     corpus = read_corpus(args.corpus)  # validated before anything is written
-    settings = IndexSettings(
-        model=args.model or IndexSettings.model, dense_model=args.dense_model, bge_m3=args.bge_m3, reranker=args.reranker,
-        template=args.template, storage_dtype=args.storage_dtype, max_doc_tokens=args.max_doc_tokens,
-        kv_budget_gb=args.kv_budget_gb, lazy_kv=args.lazy_kv,
-    )
+    recorded, defaults = recorded_settings(Path(args.out)), IndexSettings()
+    inherited = {name: getattr(args, name) if getattr(args, name) is not None else recorded.get(name, getattr(defaults, name))
+                 for name in INHERITED}
+    settings = IndexSettings(**inherited, max_doc_tokens=args.max_doc_tokens, kv_budget_gb=args.kv_budget_gb,
+                             lazy_kv=args.lazy_kv)
     say(f"loading the model ({settings.model}, on {args.backend}) ...")
     _, report = index_store(corpus, args.out, settings, backend=args.backend, backend_settings=backend_settings_from(args),
                             rebuild=args.rebuild)

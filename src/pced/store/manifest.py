@@ -60,6 +60,17 @@ def read_manifest(root: Path) -> dict:
     return check_manifest(path, manifest)
 
 
+def recorded_settings(root: Path) -> dict:
+    """The settings the store at ``root`` was built with (``IndexSettings``' fields), or nothing where
+    there is no store there or its manifest is damaged (the index run then reports that itself)."""
+    if not os.path.lexists(Path(root) / MANIFEST):
+        return {}
+    try:
+        return dict(read_manifest(root)["settings"])
+    except StoreError:
+        return {}
+
+
 def damaged(path: Path, what: str) -> StoreError:
     return StoreError(f"{path}: {what}; {rebuild_advice(path.parent)}")
 

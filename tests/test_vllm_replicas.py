@@ -26,13 +26,17 @@ ASK = {"top_k": 4, "top_n": 30, "rerank": False, "max_tokens": 16}
 
 
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory, embedded_llm):
-    from pced.corpus.reader import read_corpus
-    from pced.store import IndexSettings, index_store
+def store_dir(tmp_path_factory, embedded_tokenizer_dir):
+    """The demo corpus indexed with a tiny random Llama vLLM's CPU build runs (the subject is the store's
+    generations under two engines, not the answers' wording)."""
+    from helpers.tiny_llama import save_tiny_llama
 
+    from pced.cli import main
+
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("replicas-llama"), embedded_tokenizer_dir)
     root = tmp_path_factory.mktemp("vllm-replicas") / "store"
     with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
-        index_store(read_corpus(corpus), root, IndexSettings(), llm=embedded_llm, progress=False)
+        assert main(["index", str(corpus), "--out", str(root), "--model", str(model_dir)]) == 0  # as the test's run
     return root
 
 

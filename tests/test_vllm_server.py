@@ -30,13 +30,19 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory, embedded_llm):
-    from pced.corpus.reader import read_corpus
-    from pced.store import IndexSettings, index_store
+def store_dir(tmp_path_factory, embedded_tokenizer_dir):
+    """The demo corpus indexed with a tiny random Llama vLLM's CPU build runs: the subject is the server
+    (the client, streaming, questions at once, refusals, a dead engine); the embedded model's answers on
+    vLLM are compared in tests/test_vllm_backend.py."""
+    from helpers.tiny_llama import save_tiny_llama
 
+    from pced.cli import main
+
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("serve-llama"), embedded_tokenizer_dir)
     root = tmp_path_factory.mktemp("vllm-serve") / "store"
     with resources.as_file(resources.files("pced") / "data" / "demo_corpus.jsonl") as corpus:
-        index_store(read_corpus(corpus), root, IndexSettings(storage_dtype="float32"), llm=embedded_llm, progress=False)
+        assert main(["index", str(corpus), "--out", str(root), "--model", str(model_dir),
+                     "--storage-dtype", "float32"]) == 0
     return root
 
 

@@ -51,7 +51,7 @@ def test_cpu_shares_give_each_rank_its_own_cores():
 
 
 def test_the_store_connector_and_the_kv_cache_size_come_from_the_command_line():
-    assert parse().store_kv is True and parse("--no-store-kv").store_kv is False
+    assert parse().store_kv is None and parse("--store-kv").store_kv is True and parse("--no-store-kv").store_kv is False
     assert parse("--kv-cache-gb", "0.5").engine_args()["kv_cache_memory_bytes"] == 2**29
     assert "store_kv" not in parse().engine_args() and "kv_cache_memory_bytes" not in parse().engine_args()
     with pytest.raises(InputError, match="kv_cache_gb"):

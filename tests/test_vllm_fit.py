@@ -111,12 +111,24 @@ def test_models_with_windowed_layers_are_left_to_vllm():
     assert refusal(windowed, kv_cache_gb=1e-6) is None
 
 
-def test_latent_attention_is_refused_with_the_store_connector_before_an_engine_starts():
+def test_latent_attention_turns_the_store_connector_off_and_refuses_it_asked_for_before_an_engine_starts():
+    """Left to pced (the default), the store's KV is off for a model the connector cannot serve, with the
+    one line that says why; asked for (--store-kv), it is refused in one line."""
+    from pced.backends.vllm.fit import with_store_kv
+
     latent = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-    message = refusal(latent)  # --store-kv is the default
+    resolved, note = with_store_kv(latent, VLLMSettings())
+    assert resolved.store_kv is False
+    assert note.startswith("pced's store connector cannot serve deepseek_v3's multi-head latent attention")
+    assert note.endswith("reading documents' KV from the store is off (vLLM's prefix cache still serves a document "
+                         "asked about again)")
+    assert refusal(latent) is None  # left to pced: started without the connector
+    message = refusal(latent, store_kv=True)
     assert message.startswith("pced's store connector cannot serve deepseek_v3's multi-head latent attention")
     assert message.endswith("with --no-store-kv")
     assert refusal(latent, store_kv=False) is None
     assert refusal(latent, kv_transfer_config=None, store_kv=False, tensor_parallel_size=4) is None
+    plain, note = with_store_kv(llama(), VLLMSettings())
+    assert plain.store_kv is True and note is None

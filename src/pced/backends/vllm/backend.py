@@ -33,6 +33,10 @@ class VLLMBackend(TransformersBackend):
                                 concurrent_questions=True, own_caches=False)
     settings_class = VLLMSettings
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._noted: set = set()  # (model, settings) whose store-KV note was printed
+
     # -- settings -------------------------------------------------------------------------
     def add_options(self, group, command: str = "ask") -> None:
         if command == "index":  # it encodes no caches of its own
@@ -63,8 +67,8 @@ class VLLMBackend(TransformersBackend):
                                 "replaces pced's own connector (--store-kv)")
         group.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=DEFAULTS.store_kv,
                            help="vllm: read documents' KV from the store's caches, so only the question is prefilled "
-                                f"(default {'on' if DEFAULTS.store_kv else 'off'}); off: vLLM prefills prefix and "
-                                "documents itself")
+                                "(default: on, except for a model pced's connector cannot serve, e.g. latent "
+                                "attention, which is said in one line); off: vLLM prefills prefix and documents itself")
         group.add_argument("--kv-cache-gb", type=float, default=DEFAULTS.kv_cache_gb, metavar="GiB",
                            help="vllm: the engine's KV cache size (default: from --gpu-memory-utilization)")
         if command == "serve":
@@ -96,6 +100,19 @@ class VLLMBackend(TransformersBackend):
         return engine_refusal(llm.model.config, settings, cuda=llm.device.type == "cuda",
                               tokenizer_max_length=getattr(llm.tokenizer, "model_max_length", None))
 
+    def engine_settings(self, llm: Any, settings: VLLMSettings) -> VLLMSettings:
+        """``settings`` as the engine for ``llm`` runs them: the store's KV on where the connector can
+        serve the model and it was left unset (one line where it cannot: ``fit.with_store_kv``)."""
+        import sys
+
+        from .fit import with_store_kv
+
+        resolved, note = with_store_kv(llm.model.config, settings)
+        if note is not None and (llm.path, settings) not in self._noted:
+            self._noted.add((llm.path, settings))
+            print(f"pced: {note}", file=sys.stderr, flush=True)
+        return resolved
+
     def _engine(self, llm: Any, settings: VLLMSettings) -> Any:
         """The process's engine for ``llm`` and ``settings``. What vLLM would refuse is refused first,
         in one line, before vLLM is imported (vLLM finds it in its engine process, minutes later)."""
@@ -104,7 +121,13 @@ class VLLMBackend(TransformersBackend):
             raise UserError(reason)
         from .engine import shared_engine
 
-        return shared_engine(llm.path, settings)
+        return shared_engine(llm.path, self.engine_settings(llm, settings))
+
+    def _running(self, generator: Any) -> Any:
+        """The engine of ``generator`` if it has started (never started here), else None."""
+        from .engine import running_engine
+
+        return running_engine(generator.llm.path, self.engine_settings(generator.llm, generator.settings))
 
     # -- document caches: the transformers backend's (kv/), read, never written as its own --------------
     def cache_dirs(self, root: Path) -> list[Path]:
@@ -163,9 +186,7 @@ class VLLMBackend(TransformersBackend):
         between questions, while the engine's thread waits for work (no step is running)."""
         import time
 
-        from .engine import shared_engine
-
-        llm = shared_engine(generator.llm.path, generator.settings).loop.llm
+        llm = self._engine(generator.llm, generator.settings).loop.llm
         deadline = time.monotonic() + 60
         while not llm.reset_prefix_cache():  # refused while a request still holds blocks (an abort in flight)
             if time.monotonic() > deadline:
@@ -200,18 +221,15 @@ class VLLMBackend(TransformersBackend):
     def bench_cache_bytes(self, generator: Any, files: list) -> int:
         """The files, read through pced's connector (``store_kv``); nothing without it (vLLM
         prefills the documents)."""
-        return super().bench_cache_bytes(generator, files) if generator.settings.store_kv else 0
+        return super().bench_cache_bytes(generator, files) if self._engine(generator.llm, generator.settings).reads_store \
+            else 0
 
     def health(self, generator: Any) -> dict:
-        from .engine import running_engine
-
-        engine = running_engine(generator.llm.path, generator.settings)  # never started by a health check
+        engine = self._running(generator)  # never started by a health check
         return {} if engine is None else dict(engine.counters)
 
     def failure(self, generator: Any) -> str | None:
-        from .engine import running_engine
-
-        engine = running_engine(generator.llm.path, generator.settings)
+        engine = self._running(generator)
         death = None if engine is None else engine.loop.death
         return None if death is None else str(death)
 

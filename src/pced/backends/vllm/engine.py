@@ -92,7 +92,9 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     cuda = current_platform.is_cuda_alike()
     resolved = settings.for_platform(cuda=cuda)
     args = dict(model=str(model_dir), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, **resolved.engine_args())
-    if settings.store_kv and "kv_transfer_config" not in args:  # a user's own kv_transfer_config replaces pced's
+    # a user's own kv_transfer_config replaces pced's; left unset (None), on: the backend turned it off where the
+    # connector cannot serve the model (VLLMBackend.engine_settings)
+    if settings.store_kv is not False and "kv_transfer_config" not in args:
         args["kv_transfer_config"] = connector_config()
     probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
     if "kv_transfer_config" in probe:  # LLM converts the dict the same way (entrypoints/llm.py:241-243)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from .settings import VLLMSettings
@@ -57,7 +58,8 @@ def engine_refusal(config: Any, settings: VLLMSettings, cuda: bool,
     return (tensor_parallel_refusal(text, settings.tensor_parallel_size)
             or window_refusal(config, settings.max_model_len, tokenizer_max_length)
             or kv_cache_refusal(config, settings, cuda, tokenizer_max_length)
-            or (store_kv_refusal(config) if settings.store_kv and settings.kv_transfer_config is None else None))
+            or (store_kv_refusal(config) if settings.store_kv is True and settings.kv_transfer_config is None
+                else None))
 
 
 def tensor_parallel_refusal(text: Any, size: int) -> str | None:
@@ -188,6 +190,22 @@ def kv_cache_refusal(config: Any, settings: VLLMSettings, cuda: bool, tokenizer_
         return None
     return (f"a KV cache of {size[1]} cannot hold one sequence of {length} tokens, which vLLM requires (it needs "
             f"{(needed + block_bytes) / GIB:.3g} GiB a rank); give a larger --kv-cache-gb or a smaller --max-model-len")
+
+
+def with_store_kv(config: Any, settings: VLLMSettings) -> tuple[VLLMSettings, str | None]:
+    """``settings`` with ``store_kv`` decided for the model of ``config`` where it was left to pced (None):
+    on where the connector can serve the model, else off, with the one line that says why (vLLM's prefix
+    cache still serves repeated documents). Asked for (True) for a model it cannot serve, it is
+    refused by ``engine_refusal`` instead."""
+    if settings.store_kv is not None:
+        return settings, None
+    if settings.kv_transfer_config is not None:  # a user's own connector replaces pced's
+        return replace(settings, store_kv=False), None
+    allowed, reason = store_kv_support(config)
+    if allowed:
+        return replace(settings, store_kv=True), None
+    return replace(settings, store_kv=False), (f"{reason}; reading documents' KV from the store is off (vLLM's "
+                                               "prefix cache still serves a document asked about again)")
 
 
 def store_kv_refusal(config: Any) -> str | None:

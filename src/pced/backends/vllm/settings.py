@@ -28,7 +28,9 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
     kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading); replaces store_kv's
-    store_kv: bool = True  # documents' KV read from the store's caches (pced's KV connector); off: vLLM prefills them
+    # documents' KV read from the store's caches (pced's KV connector); False: vLLM prefills them; None: on where
+    # the connector can serve the model (fit.with_store_kv: not latent attention or recurrent layers)
+    store_kv: bool | None = None
     kv_cache_gb: float | None = None  # the engine's KV cache, GiB (vLLM's kv_cache_memory_bytes); None: from the memory share
     warm_up: bool = False  # pced serve: prefill every stored document into the prefix cache at start
 

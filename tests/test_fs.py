@@ -88,3 +88,35 @@ def test_sweeping_with_keep_live_leaves_the_files_of_running_processes(tmp_path)
         path.write_text("x")
     assert sweep_temporaries(tmp_path, keep_live=True) == 1
     assert mine.exists() and not dead.exists()
+
+
+def test_a_file_another_host_replaced_while_it_was_read_is_read_again_by_its_name(tmp_path, monkeypatch):
+    """NFS: a reader's open manifest.json renamed over by a writer on another host reads ESTALE."""
+    import errno
+
+    import pced.fs
+
+    path = tmp_path / "manifest.json"
+    path.write_text("the new one")
+    real_open, opened = pced.fs.open_regular, []
+
+    class Stale:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(path))
+
+    def open_regular(name):
+        opened.append(name)
+        return Stale() if len(opened) == 1 else real_open(name)
+
+    monkeypatch.setattr(pced.fs, "open_regular", open_regular)
+    assert pced.fs.read_regular(path) == b"the new one" and len(opened) == 2
+    opened.clear()
+    monkeypatch.setattr(Stale, "read", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError):  # another error is not a replaced file: it is reported
+        pced.fs.read_regular(path)

@@ -1,6 +1,11 @@
 """One LRU byte budget for on-demand caches: a budgeted store answers exactly as an unbounded one."""
 
+import errno
 import json
+import os
+from pathlib import Path
+
+import pytest
 
 from pced.documents import Document
 from pced.kv.budget import GB
@@ -70,6 +75,33 @@ def test_a_cache_evicted_between_retrieval_and_loading_is_encoded_again(tmp_path
     caches.path_for(digests[0]).unlink()  # another process evicted it meanwhile
     assert (caches.load(digests[0]).keys == reference).all()
     assert caches.path_for(digests[0]).is_file()
+
+
+@pytest.mark.parametrize("error", [errno.ENOENT, errno.ESTALE], ids=["removed here", "removed by another NFS client"])
+def test_a_cache_removed_while_it_is_opened_is_encoded_again(tmp_path, tiny_llm, monkeypatch, error):
+    """The file is there when the reader looks and gone when it reads: removed by another process
+    between the two (ENOENT), or by another host while this one had it open on NFS (ESTALE)."""
+    import pced.kv.format
+
+    base = dict(model=str(tiny_llm.path), storage_dtype="float32")
+    store, _ = index_store(FACTS, tmp_path / "s", IndexSettings(**base), llm=tiny_llm, progress=False)
+    caches = store.generator.caches
+    digests = caches.add([FACTS[0].render()], progress=False)
+    reference = caches.load(digests[0]).keys.clone()
+    path = caches.path_for(digests[0])
+    real_open, removed = pced.kv.format.open_regular, []
+
+    def open_regular(opened):
+        if Path(opened) == path and not removed:
+            removed.append(opened)
+            path.unlink()  # the other side removes it now
+            if error == errno.ESTALE:
+                raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(opened))
+        return real_open(opened)
+
+    monkeypatch.setattr(pced.kv.format, "open_regular", open_regular)
+    assert (caches.load(digests[0]).keys == reference).all()
+    assert removed and path.is_file()  # written again: the current generation holds the document
 
 
 def test_index_says_what_the_caches_will_take(tmp_path, tiny_llm, capsys):

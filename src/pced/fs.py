@@ -10,6 +10,10 @@ Files are created with a plain ``open`` (mode 0666 minus the umask), so a store 
 shared between users stays readable; nothing here reads or changes the process umask. What pced
 reads back of its own (``open_regular``) must be a regular file: a FIFO, a device or a symbolic
 link put in its place is refused instead of blocking a reader or reading outside the folder.
+
+A file may be deleted or replaced by another host while it is read (a store on NFS): a read of the
+open file then fails with ESTALE, where a local file's inode lives on. ``vanished`` names those
+errors; ``read_regular`` reads a replaced file again by its name.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 TEMP_PREFIX = ".tmp-"
+# a file gone from under its name: removed here (ENOENT), or removed or replaced by another NFS client (ESTALE)
+VANISHED = frozenset({errno.ENOENT, errno.ESTALE})
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
 
@@ -57,8 +63,21 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
         raise
 
 
+def vanished(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file was removed or replaced while it was opened or read (``VANISHED``)."""
+    return isinstance(exc, OSError) and not isinstance(exc, NotRegularFile) and exc.errno in VANISHED
+
+
 def read_regular(path: str | os.PathLike) -> bytes:
-    """The bytes of a regular file (``open_regular``)."""
+    """The bytes of a regular file (``open_regular``). A file another NFS client replaced while it
+    was read (ESTALE: ``manifest.json`` renamed over by a writer on another host) is read once more
+    by its name, which now names the file that replaced it."""
+    try:
+        with open_regular(path) as handle:
+            return handle.read()
+    except OSError as exc:
+        if exc.errno != errno.ESTALE:
+            raise
     with open_regular(path) as handle:
         return handle.read()
 

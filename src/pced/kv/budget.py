@@ -8,8 +8,10 @@ written and again on every use, so several processes sharing a directory (a serv
 ``budget.json`` beside the files, updated under an exclusive ``flock`` so that no process loses
 another's counts.
 
-Evicting a file another process has memory-mapped is safe (the mapping keeps the old inode); a
-process that finds a file it was about to read evicted encodes it again (``KVStore.load``).
+Evicting a file another process on this host has memory-mapped is safe (the mapping keeps the old
+inode); a process that finds a file it was about to read evicted encodes it again
+(``CacheUse.read_or_encode``). On NFS a file another host evicts is gone for a reader that had it
+open (docs/deploy.md): a budgeted store is shared by the processes of one host.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ContextManager
 
-from ..fs import atomic_write_json, read_regular
+from ..fs import atomic_write_json, read_regular, vanished
 
 COUNTERS = "budget.json"
 LOCK = ".budget.lock"
@@ -182,6 +184,26 @@ class CacheUse:
         """The cache held in memory for ``digest`` (once), or None."""
         with self._lock:
             return self._held.pop(digest, None)
+
+    def read_or_encode(self, digest: str, path: Path, read: Callable[[], Any],
+                       encode: Callable[[dict[str, str]], None]) -> Any | None:
+        """A cache for its load: the one held in memory, else the file at ``path`` read, else
+        (the file is gone before or while it is read: evicted, swept by an index run, or removed or
+        replaced by another host, ENOENT or ESTALE on NFS) encoded again from its remembered text.
+        None: gone, and its text not remembered."""
+        held = self.take(digest)
+        if held is not None:
+            return held
+        if os.path.isfile(path):  # False on any error from stat, ESTALE included
+            try:
+                return read()
+            except OSError as exc:
+                if not vanished(exc):
+                    raise
+        if not self.encode_again(digest, encode):
+            return None
+        held = self.take(digest)  # encoded again, and not the store's to keep
+        return held if held is not None else read()
 
     def encode_again(self, digest: str, encode: Callable[[dict[str, str]], None]) -> bool:
         """A cache ``add`` saw, gone before its load (evicted by another process, or swept by an index

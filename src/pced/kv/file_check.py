@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import DataError
-from ..fs import NotRegularFile, open_regular, read_regular
+from ..fs import NotRegularFile, open_regular, read_regular, vanished
 
 ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}  # the dtypes pced stores
 # the order writers checksum their tensors in (``DocKV.tensors``: keys, values, scales; a llama.cpp state)
@@ -101,9 +101,11 @@ def check_cache_bytes(path: Path, identity: dict, digest: str, what: str = "cach
                     checksum = bytes_checksum(view[base + start : base + end] for start, end in spans)
     except NotRegularFile as exc:
         raise CacheError(f"{what} {path} is {exc.strerror}; {fix}") from None
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as exc:  # a cut or foreign file: what its header says is wrong
+    except OSError as exc:
+        if vanished(exc):  # removed (or, on NFS, replaced by another host) while we look: not damage
+            raise
+        raise CacheError(f"{what} {path} is damaged or not a pced cache: {exc}; {fix}") from None
+    except ValueError as exc:  # a cut or foreign file: what its header says is wrong
         raise CacheError(f"{what} {path} is damaged or not a pced cache: {exc}; {fix}") from None
     for key, expected in identity.items():
         if meta.get(key) != str(expected):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..fs import NotRegularFile, open_regular
+from ..fs import NotRegularFile, open_regular, vanished
 from .file_check import CacheError, check_cache_bytes, read_header, read_identity
 from .segment import DocKV
 
@@ -106,6 +106,8 @@ def check_cache_file(path: Path, identity: dict, digest: str, expected_tokens: i
     except NotRegularFile as exc:
         raise CacheError(f"cache file {path} is {exc.strerror}; {fix}") from None
     except Exception as exc:  # any malformed header, size or dtype
+        if vanished(exc):  # removed or replaced meanwhile, not damaged: the caller encodes it again
+            raise
         raise CacheError(f"cache file {path} is damaged or not a pced cache: {exc}; {fix}") from exc
     for key, expected in identity.items():
         if meta.get(key) != str(expected):

@@ -18,7 +18,8 @@ first token); files written before checksums existed load without that check.
 
 On demand (``on_demand``, or a ``budget_bytes``): documents are encoded when first asked for and,
 with a budget, the least recently used caches are evicted past it (``pced.kv.budget``); a cache
-found missing when it is loaded (evicted, or swept by an index run meanwhile) is encoded again.
+found missing when it is loaded, or gone while it is read (evicted, swept by an index run, or
+removed by another host: ENOENT, NFS's ESTALE), is encoded again.
 A store's directory writes a cache only where its owner's guard lets it (``CacheUse.write_guard``);
 one it refuses is used from memory for that answer.
 """
@@ -191,12 +192,13 @@ class KVStore:
         """A document's cache: memory-mapped from disk (read-only views of the file), or, with a device
         tier, dense on the model's device (from the pool when it holds it)."""
         path = self.path_for(digest)
-        held = self.use.take(digest)
-        if held is None and not path.is_file():
-            if not self.use.encode_again(digest, self._encode):
+
+        def read() -> DocKV:
+            kv = self.use.read_or_encode(digest, path, lambda: self._read(path, digest, None), self._encode)
+            if kv is None:
                 raise CacheError(f"no cache for document {digest[:12]} in {self.root}; run the indexing step")
-            held = self.use.take(digest)  # encoded again, and not the store's to keep
-        read = (lambda: held) if held is not None else (lambda: self._read(path, digest, None))
+            return kv
+
         return self.pool.get(digest, read) if self.pool is not None else read()
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> DocKV:

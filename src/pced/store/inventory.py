@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..documents import Document
-from ..fs import read_regular
+from ..fs import read_regular, vanished
 from .layout import DOCUMENTS, MANIFEST, RETRIEVERS_DIR, state_dir
 
 def group_documents(documents: list[Document]) -> dict[str, list[Document]]:
@@ -93,8 +93,9 @@ class CacheState:
                 backend.check_cache(directory, path, self.digest)
             except NotImplementedError:  # a plug-in backend without the check: its files count as they are
                 pass
-            except FileNotFoundError:  # evicted or swept while we look
-                pass
+            except OSError as exc:  # evicted or swept while we look (ESTALE: by another NFS client)
+                if not vanished(exc):
+                    raise
             except DataError as exc:
                 lines.append(str(exc))
         return lines

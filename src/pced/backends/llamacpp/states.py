@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries
+from ...fs import atomic_save_tensors, atomic_write_json, sweep_temporaries, vanished
 from ...kv.budget import CacheUse
 from ...kv.format import CacheError, content_hash, mmap_safetensors, tensor_checksum
 from ...text.prompts import PromptBuilder
@@ -122,12 +122,11 @@ class StateStore:
 
     def load(self, digest: str) -> SeqState:
         path = self.path_for(digest)
-        held = self.use.take(digest)  # encoded for a document its store no longer holds (CacheUse.write_guard)
-        if held is None and not path.is_file():
-            if not self.use.encode_again(digest, self._encode):
-                raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
-            held = self.use.take(digest)
-        return held if held is not None else self._read(path, digest, None)
+        # held: encoded for a document its store no longer holds (CacheUse.write_guard); a file gone is encoded again
+        state = self.use.read_or_encode(digest, path, lambda: self._read(path, digest, None), self._encode)
+        if state is None:
+            raise CacheError(f"no llama.cpp state for document {digest[:12]} in {self.root}; run the indexing step")
+        return state
 
     def _read(self, path: Path, digest: str, expected_tokens: int | None) -> SeqState:
         fix = "remove it and re-index (pced index --backend llamacpp)"
@@ -135,6 +134,8 @@ class StateStore:
             meta, tensors = mmap_safetensors(path)
             state = tensors["state"]
         except Exception as exc:
+            if vanished(exc):  # removed or replaced meanwhile, not damaged: load encodes it again
+                raise
             raise CacheError(f"state file {path} is damaged or not a pced llama.cpp state: {exc}; {fix}") from exc
         for key, expected in self.identity.items():
             if meta.get(key) != str(expected):

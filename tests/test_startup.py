@@ -1,5 +1,5 @@
 """What a metadata command loads: ``pced --version``, every command's ``--help`` and the store verbs
-that read files (list, show, stats, remove) import no torch and no model, each in a fresh process.
+that read files (list, show, stats, sync, remove) import no torch and no model, each in a fresh process.
 Their speed is measured by ``experiments/startup_times.py``, not here."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def store(tmp_path_factory, tiny_model_dir):
 def test_version_and_every_help_load_no_torch():
     commands = [["--version"], ["--help"]] + [[c, "--help"] for c in ("index", "ask", "chat", "demo", "generate", "serve",
                                                                        "eval", "bench", "verify")]
-    commands += [["store", verb, "--help"] for verb in ("list", "show", "remove", "stats", "verify")]
+    commands += [["store", verb, "--help"] for verb in ("list", "show", "remove", "stats", "sync", "verify")]
     for command in commands:
         code, heavy = loaded(*command)
         assert code == 0 and heavy == [], (command, heavy)
@@ -45,7 +45,7 @@ def test_version_and_every_help_load_no_torch():
 @pytest.mark.slow
 def test_store_verbs_that_read_files_load_no_torch_and_no_model(store):
     for command in (["store", "list", str(store)], ["store", "show", str(store), "quell"], ["store", "stats", str(store)],
-                    ["store", "remove", str(store), "vantor"]):
+                    ["store", "sync", str(store), str(store.parent / "copy")], ["store", "remove", str(store), "vantor"]):
         code, heavy = loaded(*command)
         assert code == 0 and heavy == [], (command, heavy)
     code, _ = loaded("store", "show", str(store), "vantor")

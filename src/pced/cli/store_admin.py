@@ -1,8 +1,9 @@
-"""``pced store list | show | remove | stats | verify``: see and change what a store holds.
+"""``pced store list | show | remove | stats | sync | verify``: see, change and copy what a store holds.
 
 list / show / stats read the store with its tokenizer only (no model weights, no torch); show checks
 each cache file it reports as ``pced verify`` checks its bytes (``pced.store.inventory``); remove goes through
-the indexing writer (its lock, its atomic swap of the retrieval indexes). ``pced store verify`` is
+the indexing writer (its lock, its atomic swap of the retrieval indexes); sync copies a store's current
+generation to another directory in the order that keeps its readers consistent (``pced.store.sync``). ``pced store verify`` is
 ``pced verify`` under the store verbs (both stay: scripts call the short one). User text (ids,
 titles, document text) is printed as it is, never interpreted as markup.
 """
@@ -19,7 +20,8 @@ from .terminal import count, printable
 def add_store_parser(sub) -> None:
     from .store import add_verify_arguments, cmd_verify
 
-    p = sub.add_parser("store", help="list, show, remove documents of a store; its size by part; verify its caches")
+    p = sub.add_parser("store", help="list, show, remove documents of a store; its size by part; copy it to another "
+                                     "directory; verify its caches")
     verbs = p.add_subparsers(dest="verb", required=True)
     listing = verbs.add_parser("list", help="one line per document: id, chunks, tokens, cache bytes, title")
     listing.add_argument("store", help="store directory built by pced index")
@@ -39,6 +41,12 @@ def add_store_parser(sub) -> None:
     stats.add_argument("store", help="store directory built by pced index")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=cmd_stats, metadata_only=True)
+    sync = verbs.add_parser("sync", help="copy a store's current generation to another directory (a server's own "
+                                         "disk), caches first and manifest.json last, each file checked; DST keeps "
+                                         "the generation it served before, as pced index does")
+    sync.add_argument("src", metavar="SRC", help="the store to copy (built by pced index; may be read-only)")
+    sync.add_argument("dst", metavar="DST", help="the copy (created, or one pced store sync made before)")
+    sync.set_defaults(func=cmd_sync, metadata_only=True)
     verify = verbs.add_parser("verify", help="the same as pced verify: check every stored KV cache")
     add_verify_arguments(verify)
     verify.set_defaults(func=cmd_verify, metadata_only=True)
@@ -104,6 +112,20 @@ def cmd_remove(args: argparse.Namespace) -> int:
         raise
     print(f"pced: store {args.store}: removed {count(len(args.ids), 'document')} ({count(len(report['removed']), 'stored id')}), "
           f"{count(report['kv_orphans_removed'], 'cache file')} deleted; {report['documents']} remain")
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from ..store.sync import sync_store
+
+    report = sync_store(args.src, args.dst)
+    published = (f"DST now serves generation {report['generation']}" if report["published"]
+                 else f"DST already served generation {report['generation']}")
+    swept = [count(report["generations_swept"], "old generation"), count(report["caches_removed"], "unreferenced cache")]
+    swept = f"; removed {' and '.join(swept)}" if report["generations_swept"] or report["caches_removed"] else ""
+    print(f"pced: synced {args.src} to {args.dst}: {count(report['copied'], 'file')} copied "
+          f"({human_bytes(report['bytes'])}), {report['skipped']} skipped (already there); {published} "
+          f"({count(report['documents'], 'document')}){swept}")
     return 0
 
 

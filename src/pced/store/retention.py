@@ -7,16 +7,22 @@ holds (``pced store remove``, a document replaced): the writer has swept it, and
 remove it again until the next index run. ``CurrentDocuments`` is the guard a store's generators
 write through (``Generator.guard_writes``): under the store's cache lock, the one the writer's sweep
 takes after it publishes, a cache is written only if the current generation records its content
-hash; else the reader uses it from memory for that answer."""
+hash; else the reader uses it from memory for that answer.
+
+The sweep every writer of a store runs after it publishes (``pced index``, ``pced store remove``,
+``pced store sync``): generations other than the new one and the one it replaced are removed
+(``sweep_generations``), and caches neither of them names (``remove_unreferenced``), so that no
+reader of either ever finds a file gone."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from .layout import StoreError, generation
+from .layout import DOCUMENTS, GENERATIONS_DIR, RETRIEVERS_DIR, StoreError, generation
 from .lock import caches_lock
 from .manifest import read_manifest
 from .records import read_documents
@@ -53,3 +59,33 @@ class CurrentDocuments:
         except (StoreError, OSError):  # damaged or being replaced: keep the cache in memory, write nothing
             return False
         return digests is None or digest in digests
+
+
+def remove_unreferenced(root: Path, keep: set[str]) -> int:
+    """Delete, in every backend's cache directory of the store, the document caches not named in
+    ``keep`` (content hashes, the same name in every backend's directory); the store's writer only."""
+    from .inventory import cache_directories
+
+    removed = 0
+    with caches_lock(root):  # after the manifest is published: a reader's cache write sees the new generation
+        for backend, directory in cache_directories(root):
+            for path in backend.cache_files(directory).glob("*/*.safetensors"):
+                if path.stem not in keep:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
+def sweep_generations(root: Path, keep: set[int]) -> int:
+    """Remove generations no reader can be using: all but the current and the previous one (and
+    the top-level state of a store written before generations, once it is neither)."""
+    removed = 0
+    for folder in (root / GENERATIONS_DIR).iterdir() if (root / GENERATIONS_DIR).is_dir() else []:
+        if folder.name.isdigit() and int(folder.name) not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    if 0 not in keep and (root / DOCUMENTS).exists():
+        (root / DOCUMENTS).unlink(missing_ok=True)
+        shutil.rmtree(root / RETRIEVERS_DIR, ignore_errors=True)
+        removed += 1
+    return removed

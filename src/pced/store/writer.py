@@ -29,9 +29,10 @@ from ..fs import TEMP_PREFIX, atomic_write_json, staging_dir, sweep_temporaries
 from ..kv.budget import GB, gb_to_bytes
 from .layout import (DOCUMENTS, FORMAT, GENERATIONS_DIR, MANIFEST, RETRIEVERS_DIR, IndexSettings, StoreError, generation,
                      recover)
-from .lock import CACHES_LOCK, LOCK_FILE, caches_lock, writer_lock
+from .lock import CACHES_LOCK, LOCK_FILE, writer_lock
 from .manifest import read_manifest
 from .reader import DocumentStore, current_generation
+from .retention import remove_unreferenced, sweep_generations
 from .records import read_documents, write_documents
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def _publish(root: Path, previous: DocumentStore | None, merged: list[Document],
     }
     replaced = generation(previous.manifest) if previous else current_generation(root)
     atomic_write_json(root / MANIFEST, manifest)  # readers switch to the new generation here
-    swept = _sweep_generations(root, keep={number, number if replaced is None else replaced})
+    swept = sweep_generations(root, keep={number, number if replaced is None else replaced})
     return number, retrieval_s, swept
 
 
@@ -262,39 +263,9 @@ def describe_estimate(estimate: dict, settings: IndexSettings, documents: int) -
     return line
 
 
-def remove_unreferenced(root: Path, keep: set[str]) -> int:
-    """Delete, in every backend's cache directory of the store, the document caches not named in
-    ``keep`` (content hashes, the same name in every backend's directory); the indexing writer only."""
-    from .inventory import cache_directories
-
-    removed = 0
-    with caches_lock(root):  # after the manifest is published: a reader's cache write sees the new generation
-        for backend, directory in cache_directories(root):
-            for path in backend.cache_files(directory).glob("*/*.safetensors"):
-                if path.stem not in keep:
-                    path.unlink(missing_ok=True)
-                    removed += 1
-    return removed
-
-
 def _generation_folders(root: Path) -> list[int]:
     folder = root / GENERATIONS_DIR
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
-
-
-def _sweep_generations(root: Path, keep: set[int]) -> int:
-    """Remove generations no reader can be using: all but the current and the previous one (and
-    the top-level state of a store written before generations, once it is neither)."""
-    removed = 0
-    for folder in (root / GENERATIONS_DIR).iterdir() if (root / GENERATIONS_DIR).is_dir() else []:
-        if folder.name.isdigit() and int(folder.name) not in keep:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed += 1
-    if 0 not in keep and (root / DOCUMENTS).exists():
-        (root / DOCUMENTS).unlink(missing_ok=True)
-        shutil.rmtree(root / RETRIEVERS_DIR, ignore_errors=True)
-        removed += 1
-    return removed
 
 
 def _removed_ids(previous: DocumentStore | None, requested: list[str]) -> set[str]:

@@ -179,6 +179,7 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        worker.watch_store(limits.store_poll_s)
         yield
         worker.close()
 
@@ -260,6 +261,12 @@ def create_app(store, limits: Limits = Limits(), api_key: str | None = None, mod
             return body
         return JSONResponse(clean({**body, "status": "not ready", "reason": refusal.code, "message": refusal.message}),
                             status_code=503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        from .metrics import CONTENT_TYPE
+
+        return Response(worker.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/defaults")
     async def defaults():

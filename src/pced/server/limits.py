@@ -34,6 +34,7 @@ class Limits:
     # after SIGTERM, how long accepted requests may still run (so that with the engine's shutdown the
     # server is gone within Kubernetes' default 30 s grace period); then they end with a 503
     drain_timeout_s: float = 20.0
+    store_poll_s: float = 2.0  # how often the server looks for a new store generation between requests (0: only before one)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import pced.backend as registry
+import pced.backend.registry as registry
 from helpers.cli import run_pced, write_jsonl
 from helpers.server import CORPUS, QUESTION
 from pced.backend import REGISTRY, Backend, all_backends, get_backend, register_backend, unregister_backend

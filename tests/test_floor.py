@@ -1,7 +1,6 @@
 """Random-weight models of named shapes, and the weights and keys and values a torch model's decode step reads."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pced.documents import Document
-from pced.llm import legacy_model_fingerprint, load_model
+from pced.fingerprint import legacy_model_fingerprint
+from pced.llm import load_model
 from pced.store import DocumentStore, IndexSettings, StoreError, index_store
 
 DOCS = [Document("a", "Mira Quell was born in Oskvale."), Document("b", "Oskvale is a fishing town.")]

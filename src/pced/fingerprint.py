@@ -1,4 +1,5 @@
-"""A cheap identity of a model directory's files, for the store and index manifests.
+"""A model's identity, for the store and index manifests: a cheap fingerprint of a directory's
+files, and a model's (its architecture, weights and tokenizer) built from it.
 
 Hashing multi-GB weights in full on every load would dominate start-up; the size, the header and
 samples of every file change whenever the weights do in practice (a re-export, a fine-tune),
@@ -10,6 +11,7 @@ copied model keeps its identity; ``files_fingerprint`` also hashes relative name
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,3 +65,40 @@ def content_fingerprint(files: Iterable[Path], seed: bytes = b"") -> str:
     for part in sorted(file_content_digest(path) for path in files):
         digest.update(part.encode())
     return digest.hexdigest()
+
+
+def weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+
+
+def architecture(config: object) -> dict:
+    """The config without what depends on where or with what it was saved (``_name_or_path``, the
+    transformers version): what pins the architecture."""
+    return json.loads(json.dumps({k: v for k, v in config.to_dict().items()
+                                  if not k.startswith("_") and k != "transformers_version"}, sort_keys=True, default=str))
+
+
+def model_identity(path: Path, config: object) -> tuple[str, str, dict]:
+    """(fingerprint, weights hash, architecture) of a model folder: its architecture and the content
+    of its weight files (size, safetensors header and sampled bytes), never its path or file names,
+    so a moved or copied model keeps its identity and different weights do not."""
+    arch = architecture(config)
+    weights = content_fingerprint(weight_files(path))[:16]
+    fingerprint = hashlib.sha256((json.dumps(arch, sort_keys=True) + weights).encode()).hexdigest()[:16]
+    return fingerprint, weights, arch
+
+
+def legacy_model_fingerprint(path: Path, config: object, recorded_path: str) -> str:
+    """The fingerprint stores recorded before identities were path-free: the whole config (whose
+    ``_name_or_path`` was the folder the model was loaded from) plus names, sizes and edges of the
+    weight files. Recomputed with the folder a store recorded, so such stores keep opening."""
+    settings = dict(config.to_dict(), _name_or_path=recorded_path)
+    return files_fingerprint(path, weight_files(path), json.dumps(settings, sort_keys=True, default=str).encode())[:16]
+
+
+def tokenizer_hash(tokenizer: object) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    digest = hashlib.sha256(vocab.encode())
+    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return digest.hexdigest()[:16]

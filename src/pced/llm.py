@@ -9,7 +9,6 @@ read that folder in a second or two.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -22,7 +21,7 @@ import torch
 
 from .options import EMBEDDED_NAME, is_embedded
 from .errors import UserError
-from .fingerprint import content_fingerprint, files_fingerprint
+from .fingerprint import legacy_model_fingerprint, model_identity, tokenizer_hash
 from .fs import staging_dir, swap_directory
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -286,43 +285,6 @@ def _dequantize_gguf(gguf_path: Path, target: Path) -> None:
         plain.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         swap_directory(staging, target)
-
-
-def weight_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-
-
-def architecture(config: object) -> dict:
-    """The config without what depends on where or with what it was saved (``_name_or_path``, the
-    transformers version): what pins the architecture."""
-    return json.loads(json.dumps({k: v for k, v in config.to_dict().items()
-                                  if not k.startswith("_") and k != "transformers_version"}, sort_keys=True, default=str))
-
-
-def model_identity(path: Path, config: object) -> tuple[str, str, dict]:
-    """(fingerprint, weights hash, architecture) of a model folder: its architecture and the content
-    of its weight files (size, safetensors header and sampled bytes), never its path or file names,
-    so a moved or copied model keeps its identity and different weights do not."""
-    arch = architecture(config)
-    weights = content_fingerprint(weight_files(path))[:16]
-    fingerprint = hashlib.sha256((json.dumps(arch, sort_keys=True) + weights).encode()).hexdigest()[:16]
-    return fingerprint, weights, arch
-
-
-def legacy_model_fingerprint(path: Path, config: object, recorded_path: str) -> str:
-    """The fingerprint stores recorded before identities were path-free: the whole config (whose
-    ``_name_or_path`` was the folder the model was loaded from) plus names, sizes and edges of the
-    weight files. Recomputed with the folder a store recorded, so such stores keep opening."""
-    settings = dict(config.to_dict(), _name_or_path=recorded_path)
-    return files_fingerprint(path, weight_files(path), json.dumps(settings, sort_keys=True, default=str).encode())[:16]
-
-
-def tokenizer_hash(tokenizer: object) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    digest = hashlib.sha256(vocab.encode())
-    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
-    return digest.hexdigest()[:16]
 
 
 def load_model(

@@ -57,7 +57,7 @@ def run_backends_bench(llm: LoadedModel, cfg: BenchConfig, entries: list[tuple],
     texts = [d.render() for d in docs]
     default = get_backend(DEFAULT_BACKEND)
     models = {default.model_key(default.settings()): llm}
-    generators, labels, store_bytes, prepared, files, lengths = {}, {}, {}, {}, {}, {}
+    generators, store_bytes, prepared, files, lengths = {}, {}, {}, {}, {}
     for number, (backend, settings) in enumerate(entries, start=1):
         backend = get_backend(backend)
         settings = backend.settings(settings)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from ...fingerprint import files_fingerprint
-from ...llm import ModelLoadError, cache_root, tokenizer_hash
+from ...fingerprint import tokenizer_hash
+from ...llm import ModelLoadError, cache_root
 from . import cells as state_cells
 from .settings import LlamaSettings
 

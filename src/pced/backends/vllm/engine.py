@@ -49,7 +49,7 @@ from .cpu import bind_threads
 from .groups import GroupMember
 from .loop import Collector, EngineLoop
 from .processor import LOGPROBS_MODE, processor_class
-from .store_kv import CONNECTOR, SUPPLIED_KEY, connector_config, group_params
+from .store_kv import SUPPLIED_KEY, connector_config, group_params, reads_store
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
 _STARTING = threading.Lock()
@@ -92,8 +92,8 @@ def engine_plan(model_dir: str, settings: VLLMSettings) -> tuple[dict, bool]:
     cuda = current_platform.is_cuda_alike()
     resolved = settings.for_platform(cuda=cuda)
     args = dict(model=str(model_dir), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, **resolved.engine_args())
-    # a user's own kv_transfer_config replaces pced's; left unset (None), on: the backend turned it off where the
-    # connector cannot serve the model (VLLMBackend.engine_settings)
+    # a user's own kv_transfer_config replaces pced's (store_kv True: the store is chained after it, in engine_args);
+    # left unset (None), on: the backend turned it off where the connector cannot serve the model (VLLMBackend.engine_settings)
     if settings.store_kv is not False and "kv_transfer_config" not in args:
         args["kv_transfer_config"] = connector_config()
     probe = {k: v for k, v in args.items() if k not in ("max_model_len", "max_num_batched_tokens")}
@@ -140,8 +140,9 @@ class VLLMEngine:
         self.engine_args, self.v2_runner = engine_plan(self.model_dir, settings)
         bind_threads(settings.tensor_parallel_size)
         self.processor = processor_class(self.v2_runner)
-        # whether requests may name a store's caches (without a connector vLLM warns on every such request)
-        self.reads_store = self.engine_args.get("kv_transfer_config", {}).get("kv_connector") == CONNECTOR
+        # whether requests may name a store's caches (without a connector vLLM warns on every such request):
+        # pced's connector alone, or the last of a MultiConnector's tiers
+        self.reads_store = reads_store(self.engine_args.get("kv_transfer_config"))
         try:
             self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
         except ValueError as exc:  # vLLM's checks of the settings (a KV cache too small for the window, ...)

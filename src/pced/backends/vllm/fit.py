@@ -34,7 +34,9 @@ from dataclasses import replace
 from typing import Any
 
 from .settings import VLLMSettings
-from .store_kv import store_kv_support
+from .store_kv import connector_names, store_kv_support
+
+OFFLOADING = "OffloadingConnector"  # vLLM's offloading of GPU KV blocks to host memory (kv_connector/factory.py:212-216)
 
 # config keys vLLM reads a window from (model_arch_config_convertor.py:396-413)
 WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -58,8 +60,8 @@ def engine_refusal(config: Any, settings: VLLMSettings, cuda: bool,
     return (tensor_parallel_refusal(text, settings.tensor_parallel_size)
             or window_refusal(config, settings.max_model_len, tokenizer_max_length)
             or kv_cache_refusal(config, settings, cuda, tokenizer_max_length)
-            or (store_kv_refusal(config) if settings.store_kv is True and settings.kv_transfer_config is None
-                else None))
+            or (store_kv_refusal(config) if settings.store_kv is True else None)  # alone or behind the file's tiers
+            or offload_refusal(settings, cuda))
 
 
 def tensor_parallel_refusal(text: Any, size: int) -> str | None:
@@ -206,6 +208,17 @@ def with_store_kv(config: Any, settings: VLLMSettings) -> tuple[VLLMSettings, st
         return replace(settings, store_kv=True), None
     return replace(settings, store_kv=False), (f"{reason}; reading documents' KV from the store is off (vLLM's "
                                                "prefix cache still serves a document asked about again)")
+
+
+def offload_refusal(settings: VLLMSettings, cuda: bool) -> str | None:
+    """vLLM's ``OffloadingConnector`` in a ``--kv-transfer-config`` on its CPU build: its worker refuses
+    to start there (``v1/kv_offload/cpu/spec.py:199-203``), found in vLLM's engine process after the
+    model loaded; said here in one line before."""
+    if cuda or settings.kv_transfer_config is None or OFFLOADING not in connector_names(settings.kv_transfer()):
+        return None
+    return (f"--kv-transfer-config {settings.kv_transfer_config}: vLLM's {OFFLOADING} copies KV between a GPU and "
+            "host memory and runs on CUDA and XPU GPUs only; on vLLM's CPU build the KV cache is in host memory "
+            "already: leave it out")
 
 
 def store_kv_refusal(config: Any) -> str | None:

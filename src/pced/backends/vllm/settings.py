@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ...errors import UserError
+from .store_kv import tiered_config
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class VLLMSettings:
     # half-prefilled row from a next-token one; vLLM's own choice on V2, which can.
     enable_chunked_prefill: bool | None = None
     enforce_eager: bool | None = None  # CPU: True (seconds to start, no graph capture); CUDA: False (CUDA graphs)
-    kv_transfer_config: str | None = None  # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading); replaces store_kv's
+    # a JSON file: vLLM's KVTransferConfig (LMCache, native offloading). Alone it replaces pced's connector; with
+    # store_kv=True the store is chained after it, the last tier (store_kv.tiered_config, docs/vllm.md "Deployment")
+    kv_transfer_config: str | None = None
     # documents' KV read from the store's caches (pced's KV connector); False: vLLM prefills them; None: on where
     # the connector can serve the model (fit.with_store_kv: not latent attention or recurrent layers)
     store_kv: bool | None = None
@@ -73,11 +76,11 @@ class VLLMSettings:
         return value
 
     def engine_args(self) -> dict:
-        """``vllm.LLM``'s arguments (pced's connector is added by the engine: ``store_kv``)."""
+        """``vllm.LLM``'s arguments (pced's connector alone is added by the engine: ``store_kv``)."""
         own = ("store_kv", "kv_cache_gb", "warm_up")
         args = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
         if self.kv_transfer_config is not None:
-            args["kv_transfer_config"] = self.kv_transfer()
+            args["kv_transfer_config"] = tiered_config(self.kv_transfer()) if self.store_kv else self.kv_transfer()
         if self.kv_cache_gb is not None:
             args["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
         return args

@@ -28,6 +28,7 @@ PARAMS_KEY = "pced_store"  # kv_transfer_params[PARAMS_KEY] = StoreSpec fields
 SUPPLIED_KEY = "pced_store_tokens"  # in a finished request's kv_transfer_params: tokens the store supplied
 CONNECTOR = "PCEDStoreConnector"
 CONNECTOR_MODULE = "pced.backends.vllm.connector"
+MULTI = "MultiConnector"  # vLLM's chain of connectors (distributed/kv_transfer/kv_connector/v1/multi_connector.py)
 
 
 def connector_config() -> dict:
@@ -37,6 +38,45 @@ def connector_config() -> dict:
     (``kv_load_failure_policy``, ``config/kv_transfer.py:88``; ``v1/core/sched/scheduler.py:3237-3354``)."""
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
             "kv_load_failure_policy": "recompute"}
+
+
+def tiered_config(front: dict) -> dict:
+    """``front`` (a user's ``kv_transfer_config``: vLLM's ``OffloadingConnector``, LMCache, or a
+    ``MultiConnector`` of them) with pced's connector after it, as vLLM's ``MultiConnector``: the hot
+    tiers first, the store last (docs/vllm.md, "Deployment"). For each new request MultiConnector asks
+    every child for tokens beyond the prefix-cache hit and the first that offers any loads them all
+    (``multi_connector.py:434-453``); the others are told 0 (``:467-477``), so the store loads only
+    what no tier before it holds. The failure policy is the scheduler's, read from the top-level
+    config (``v1/core/sched/scheduler.py:183-184``): ``recompute`` unless ``front`` says otherwise, so
+    a store file that fails is recomputed as with pced's connector alone."""
+    if reads_store(front):
+        return front
+    if front.get("kv_connector") == MULTI:
+        extra = dict(front.get("kv_connector_extra_config") or {})
+        children, top = list(extra.get("connectors") or []), dict(front)
+    else:
+        extra, children, top = {}, [front], {"kv_connector": MULTI}
+    roles = {child.get("kv_role") for child in children} | {top.get("kv_role")}
+    top["kv_role"] = "kv_consumer" if roles <= {"kv_consumer", None} else "kv_both"  # pced's child only reads
+    top["kv_load_failure_policy"] = front.get("kv_load_failure_policy", "recompute")
+    top["kv_connector_extra_config"] = {**extra, "connectors": children + [connector_config()]}
+    return top
+
+
+def connector_names(kv_transfer_config: dict | None) -> set[str]:
+    """The connectors an engine with this ``kv_transfer_config`` runs: the one it names, or a
+    ``MultiConnector``'s children."""
+    config = kv_transfer_config or {}
+    if config.get("kv_connector") == MULTI:
+        children = (config.get("kv_connector_extra_config") or {}).get("connectors") or []
+        return set().union(*(connector_names(child) for child in children))
+    return {config["kv_connector"]} if config.get("kv_connector") else set()
+
+
+def reads_store(kv_transfer_config: dict | None) -> bool:
+    """Whether an engine with this ``kv_transfer_config`` runs pced's connector, alone or as one of a
+    ``MultiConnector``'s children; its requests then name the store's caches."""
+    return CONNECTOR in connector_names(kv_transfer_config)
 
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # layer kinds whose state is KV

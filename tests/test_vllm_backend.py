@@ -176,5 +176,11 @@ def test_bench_on_the_vllm_backend_writes_its_tables(tmp_path, tiny_model):
     assert row["cold"]["store_tokens"] > 0 and row["warm"]["store_tokens"] == row["recompute"]["store_tokens"] == 0
     assert row["warm"]["prefilled_tokens"] <= row["cold"]["prefilled_tokens"] < row["recompute"]["prefilled_tokens"]
     assert report["throughput"][0]["questions"] == 3 and report["throughput"][0]["vllm"]["questions_per_s"] > 0
-    assert report["engine_counters"]["questions"] == 3 + 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
+    # the engine's first question apart from the medians, after its warm start (not counted as a question)
+    first = report["first_question"]
+    assert first["k"] == 2 and first["new_tokens"] == 16 and first["store_tokens"] > 0 and report["warm_start_s"] > 0
+    assert "The engine's first question, cold, k = 2 (after its warm start: on" in (out / "bench_vllm.md").read_text()
+    assert report["engine_counters"]["questions"] == 1 + 3 + 1 + 3 and report["engine_counters"]["degraded_steps"] == 0
+    assert report["engine_counters"]["warm_start_tokens"] == 2
     assert (out / "bench_vllm.md").is_file() and (out / "bench_vllm.png").stat().st_size > 0
+    assert "engine died" not in result.stderr  # the engine is closed at exit, not found dead

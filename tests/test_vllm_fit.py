@@ -85,7 +85,7 @@ def test_the_kv_cache_edge_is_vllms_own(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     embedded = LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
-    assert "it needs 0.353 GiB a rank" in refusal(embedded, kv_cache_gb=0.3529)
+    assert "it needs 0.353 GiB for the engine" in refusal(embedded, kv_cache_gb=0.3529)
     assert refusal(embedded, kv_cache_gb=0.353) is None
 
 
@@ -94,15 +94,19 @@ def test_the_cpu_builds_kv_cache_space_replaces_the_size_given(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     assert refusal(long, kv_cache_gb=100) is None
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
-    assert refusal(long, kv_cache_gb=100).startswith("a KV cache of 0 GiB (VLLM_CPU_KVCACHE_SPACE) cannot hold")
+    assert refusal(long, kv_cache_gb=100).startswith("a KV cache of 0 GiB a rank (VLLM_CPU_KVCACHE_SPACE) cannot hold")
     assert refusal(long, cuda=True, kv_cache_gb=100) is None  # the CPU build's variable only
 
 
-def test_ranks_hold_their_share_of_the_kv_heads(monkeypatch):
+def test_the_kv_cache_given_is_the_whole_engines_split_over_its_ranks(monkeypatch):
+    """Each rank holds its share of the key-value heads and gets its share of --kv-cache-gb."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     config, needed = llama(), 3 * 32 * 512
     assert refusal(config, max_model_len=64, kv_cache_gb=(needed - 1) / 2**30) is not None
-    assert refusal(config, max_model_len=64, tensor_parallel_size=2, kv_cache_gb=needed / 2 / 2**30) is None
+    assert refusal(config, max_model_len=64, tensor_parallel_size=2, kv_cache_gb=needed / 2**30) is None
+    message = refusal(config, max_model_len=64, tensor_parallel_size=2, kv_cache_gb=(needed - 2) / 2**30)
+    assert "over 2 ranks cannot hold one sequence of 64 tokens" in message, message
+    assert f"it needs {needed / 2**30:.3g} GiB for the engine, {needed / 2 / 2**30:.3g} a rank" in message, message
 
 
 def test_models_with_windowed_layers_are_left_to_vllm():
@@ -151,3 +155,16 @@ def test_offloading_on_the_cpu_build_and_the_store_behind_a_users_tiers_for_late
                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     assert refusal(latent, kv_transfer_config=str(lmcache)) is None  # the file alone: pced's connector is not in it
     assert refusal(latent, kv_transfer_config=str(lmcache), store_kv=True).endswith("with --no-store-kv")
+
+
+def test_the_engines_memory_is_split_over_its_ranks_where_pced_sets_it():
+    """--kv-cache-gb is the whole engine's (vLLM's kv_cache_memory_bytes is a rank's), and so is the CPU
+    build's default memory share (vLLM's CPU worker takes the share for each rank); a share given is
+    passed on as vLLM reads it, as is each GPU's."""
+    three = VLLMSettings(kv_cache_gb=0.75, tensor_parallel_size=3)
+    assert three.engine_args()["kv_cache_memory_bytes"] == 2**28
+    assert VLLMSettings(kv_cache_gb=0.75).engine_args()["kv_cache_memory_bytes"] == 3 * 2**28
+    assert VLLMSettings(tensor_parallel_size=3).for_platform(cuda=False).gpu_memory_utilization == pytest.approx(0.1)
+    assert VLLMSettings(tensor_parallel_size=3).for_platform(cuda=True).gpu_memory_utilization == 0.85
+    given = VLLMSettings(tensor_parallel_size=3, gpu_memory_utilization=0.3)
+    assert given.for_platform(cuda=False).gpu_memory_utilization == 0.3

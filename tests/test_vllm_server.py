@@ -9,6 +9,7 @@ last test kills the engine's worker process and watches the server stop for its 
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +98,24 @@ def ask_openai(url: str, question: str, stream: bool, method: str = "pced") -> s
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_the_server_says_how_its_engine_starts_and_answers_a_first_question_before_it_is_ready(server):
+    """First in this module. pced's own lines while the engine starts, the ready line naming vLLM's
+    KV cache and the memory its processes hold; before /health said ready, one question decoded
+    through the group path (counted apart from the clients' questions), so that the first client's
+    question pays no one-time cost of the engine; no warning that pced avoids at its source."""
+    url, log = server
+    text = log.read_text()
+    assert re.search(r"pced: starting vLLM's engine for .+: an engine core and 1 worker", text), text[-3000:]
+    ready = re.search(r"pced: vLLM engine ready in [\d.]+ s: KV cache ([\d,]+) blocks of 32 tokens \(([\d,]+) tokens, "
+                      r"[\d.]+ GiB\); its processes hold [\d.]+ GiB resident \(engine core [\d.]+, rank 0 [\d.]+\)", text)
+    assert ready and int(ready[1].replace(",", "")) * 32 == int(ready[2].replace(",", "")), text[-3000:]
+    assert "a first question answered in" in text, text[-3000:]
+    engine = httpx.get(f"{url}/health").json()["backend"]
+    assert engine["warm_start_tokens"] == 2 and engine["questions"] == 0, engine
+    for avoided in ("Passing raw prompts", "Model Runner V2 requires Triton"):
+        assert avoided not in text
+
+
 def test_openai_client_streaming_and_not_gets_the_transformers_answer(server, store_dir):
     url, _ = server
     question = questions()[0]
@@ -165,4 +184,6 @@ def test_a_killed_engine_worker_ends_requests_with_503_and_the_server_exits_for_
         health = http.get("/health")
         assert health.status_code == 503, health.text
         assert health.json()["status"] == "not ready" and health.json()["reason"] == "engine_dead"
+        # which process, and how: the signal read from the kernel, whether its OOM killer sent it
+        assert re.search(rf"rank 0 \(pid {workers[0].pid}\) was killed by SIGKILL", health.json()["message"]), health.text
     assert process.wait(timeout=DEAD_BOUND_S) == ENGINE_DEAD_EXIT, log.read_text()[-3000:]

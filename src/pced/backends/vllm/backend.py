@@ -71,15 +71,21 @@ class VLLMBackend(TransformersBackend):
                                 "(default: on, except for a model pced's connector cannot serve, e.g. latent "
                                 "attention, which is said in one line); off: vLLM prefills prefix and documents itself")
         group.add_argument("--kv-cache-gb", type=float, default=DEFAULTS.kv_cache_gb, metavar="GiB",
-                           help="vllm: the engine's KV cache size (default: from --gpu-memory-utilization)")
+                           help="vllm: the whole engine's KV cache, split evenly over its tensor-parallel ranks "
+                                "(default: from --gpu-memory-utilization)")
         if command == "serve":
             group.add_argument("--warm-up", action="store_true", default=DEFAULTS.warm_up,
                                help="vllm: prefill every stored document into vLLM's prefix cache at start (not needed "
                                     "with --store-kv: documents are read from the store when first asked for)")
+        if command in ("serve", "bench"):
+            group.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=DEFAULTS.warm_start,
+                               help="vllm: before serving, answer one question over a made-up document, so that the "
+                                    "first client's question does not pay the engine's one-time costs (default: on)")
 
     def settings_from_args(self, args: argparse.Namespace) -> VLLMSettings:
         names = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "kv_transfer_config",
-                 "enforce_eager", "max_model_len", "max_num_batched_tokens", "store_kv", "kv_cache_gb", "warm_up")
+                 "enforce_eager", "max_model_len", "max_num_batched_tokens", "store_kv", "kv_cache_gb", "warm_up",
+                 "warm_start")
         given = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if hasattr(args, "vllm_dtype"):
             given["dtype"] = args.vllm_dtype
@@ -163,24 +169,39 @@ class VLLMBackend(TransformersBackend):
     # -- serving --------------------------------------------------------------------------
     def warm_up(self, store: Any, settings: VLLMSettings) -> dict:
         """Start the engine; with ``settings.warm_up`` also prefill every stored document into its
-        prefix cache (with ``store_kv`` a document is read from the store when first asked for)."""
+        prefix cache (with ``store_kv`` a document is read from the store when first asked for); with
+        ``settings.warm_start`` then answer a made-up question (``warm.warm_start``)."""
         generator = store.generator_for(self, settings)
         engine = self._engine(generator.llm, settings)
-        if not settings.warm_up:
-            source = ("documents' KV read from the store's caches" if engine.reads_store
-                      else "documents prefilled by vLLM when first asked for")
-            return {"engine_start_s": engine.start_s, "warm_up_tokens": 0, "reads_store": engine.reads_store,
-                    "message": f"vLLM engine started in {engine.start_s:.1f} s; {source}"}
-        tokens = engine.warm_up(generator.builder, [d.render() for d in store.documents])
-        return {"engine_start_s": engine.start_s, "warm_up_tokens": tokens, "warm_up_s": engine.warm_up_s,
-                "reads_store": engine.reads_store,
-                "message": f"vLLM engine started in {engine.start_s:.1f} s; {len(store.documents)} documents "
-                           f"({tokens} tokens) prefilled into its prefix cache in {engine.warm_up_s:.1f} s"}
+        report = {"engine_start_s": engine.start_s, "warm_up_tokens": 0, "reads_store": engine.reads_store}
+        if settings.warm_up:
+            tokens = engine.warm_up(generator.builder, [d.render() for d in store.documents])
+            report.update(warm_up_tokens=tokens, warm_up_s=engine.warm_up_s)
+            said = (f"{len(store.documents)} documents ({tokens} tokens) prefilled into its prefix cache in "
+                    f"{engine.warm_up_s:.1f} s")
+        else:
+            said = ("documents' KV read from the store's caches" if engine.reads_store
+                    else "documents prefilled by vLLM when first asked for")
+        report["message"] = f"vLLM engine started in {engine.start_s:.1f} s; {said}" + self._warm_start(engine, generator,
+                                                                                                           report)
+        return report
+
+    def _warm_start(self, engine: Any, generator: Any, report: dict) -> str:
+        """The first question's one-time costs paid now, where the settings say so; what to say of it."""
+        if not generator.settings.warm_start:
+            return ""
+        from .warm import warm_start
+
+        report["warm_start_s"] = warm_start(engine, generator)
+        return f"; a first question answered in {report['warm_start_s']:.1f} s before serving (--no-warm-start: not)"
 
     def bench_prepare(self, generator: Any, documents: list[str]) -> dict:
-        """The engine started (no warm-up: with ``store_kv`` the documents come from the store)."""
+        """The engine started and, as ``pced serve`` does, its first question answered (no document
+        warm-up: with ``store_kv`` the documents come from the store)."""
         engine = self._engine(generator.llm, generator.settings)
-        return {"engine_start_s": engine.start_s, "reads_store": engine.reads_store}
+        report = {"engine_start_s": engine.start_s, "reads_store": engine.reads_store}
+        self._warm_start(engine, generator, report)
+        return report
 
     def bench_forget(self, generator: Any) -> None:
         """Empty the engine's prefix cache (``LLM.reset_prefix_cache``: vllm/entrypoints/llm.py:829-834),

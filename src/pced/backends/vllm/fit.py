@@ -13,8 +13,9 @@ Each rule is vLLM's own, read from its source (paths under ``vllm/``):
   keys, ``transformers_utils/model_arch_config_convertor.py:394-427``, times a RoPE scaling factor,
   at most the tokenizer's ``model_max_length``), unless the config's own ``model_max_length``
   allows it or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set (``config/model.py:2527-2667``);
-- the KV cache, where its size is given (``kv_cache_memory_bytes``, per rank; on the CPU build
-  ``VLLM_CPU_KVCACHE_SPACE`` where set, ``platforms/cpu.py:323-327``): one sequence of
+- the KV cache, where its size is given (``kv_cache_memory_bytes``, per rank: pced passes
+  ``--kv-cache-gb`` split over the ranks, ``VLLMSettings.rank_kv_cache_bytes``; on the CPU build
+  ``VLLM_CPU_KVCACHE_SPACE`` GiB a rank where set, ``platforms/cpu.py:323-327``): one sequence of
   ``max_model_len`` tokens must fit beside the one block the pool holds back
   (``v1/core/kv_cache_utils.py:2627-2648``, the need ``:2337-2366``, the check ``:1003-1040``; a
   full-attention layer takes ``cdiv(max_model_len, block_size)`` pages,
@@ -161,18 +162,19 @@ def full_attention(text: Any) -> bool:
 
 
 def kv_cache_size(settings: VLLMSettings, cuda: bool) -> tuple[int, str] | None:
-    """The engine's KV cache a rank, in bytes and as said to a person, where it is given (None: vLLM
-    sizes it from the memory free when it starts). On the CPU build ``VLLM_CPU_KVCACHE_SPACE``, when
-    set, replaces ``kv_cache_memory_bytes`` (platforms/cpu.py:323-327)."""
+    """The engine's KV cache a rank, in bytes, and the setting as said to a person, where it is given
+    (None: vLLM sizes it from the memory free when it starts). On the CPU build
+    ``VLLM_CPU_KVCACHE_SPACE``, when set, replaces ``kv_cache_memory_bytes`` (platforms/cpu.py:323-327)."""
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     if not cuda and space != "":
         try:
-            return int(space) * GIB, f"{int(space)} GiB (VLLM_CPU_KVCACHE_SPACE)"
+            return int(space) * GIB, f"{int(space)} GiB a rank (VLLM_CPU_KVCACHE_SPACE)"
         except ValueError:  # vLLM's own int() fails on it: its error, not one pced restates
             return None
     if settings.kv_cache_gb is None:
         return None
-    return int(settings.kv_cache_gb * GIB), f"{settings.kv_cache_gb:g} GiB"
+    ranks = settings.tensor_parallel_size
+    return settings.rank_kv_cache_bytes(), f"{settings.kv_cache_gb:g} GiB" + (f" over {ranks} ranks" if ranks > 1 else "")
 
 
 def kv_cache_refusal(config: Any, settings: VLLMSettings, cuda: bool, tokenizer_max_length: int | None) -> str | None:
@@ -190,8 +192,11 @@ def kv_cache_refusal(config: Any, settings: VLLMSettings, cuda: bool, tokenizer_
     needed = math.ceil(length / block) * block_bytes
     if needed <= size[0] - block_bytes:  # beside the pool's null block
         return None
+    ranks = settings.tensor_parallel_size
     return (f"a KV cache of {size[1]} cannot hold one sequence of {length} tokens, which vLLM requires (it needs "
-            f"{(needed + block_bytes) / GIB:.3g} GiB a rank); give a larger --kv-cache-gb or a smaller --max-model-len")
+            f"{(needed + block_bytes) * ranks / GIB:.3g} GiB for the engine"
+            + (f", {(needed + block_bytes) / GIB:.3g} a rank" if ranks > 1 else "")
+            + "); give a larger --kv-cache-gb or a smaller --max-model-len")
 
 
 def with_store_kv(config: Any, settings: VLLMSettings) -> tuple[VLLMSettings, str | None]:

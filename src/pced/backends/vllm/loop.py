@@ -18,6 +18,7 @@ for its supervisor to restart it, ``pced.server.lifecycle``).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -48,8 +49,11 @@ def marked_dead(client) -> bool:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], object], name: str = "pced-vllm"):
-        """``build()`` returns a ``vllm.LLM``; it runs on the loop's thread. Raises what it raised."""
+    def __init__(self, build: Callable[[], object], name: str = "pced-vllm",
+                 explain: Callable[[], str | None] = lambda: None):
+        """``build()`` returns a ``vllm.LLM``; it runs on the loop's thread. Raises what it raised.
+        ``explain()``: once the engine has died, which of its processes died and how, in one line."""
+        self._explain = explain
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # the sinks and the failure: the engine thread and the watcher both end them
@@ -64,6 +68,9 @@ class EngineLoop:
         self._ready.wait()
         if self._failed is not None:
             raise self._failed
+        # before vLLM's own clean-up at exit (weakref.finalize's, registered earlier, runs later): the
+        # engine is closed, not found dead
+        atexit.register(self.close)
         threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
 
     @property
@@ -138,8 +145,9 @@ class EngineLoop:
                 self._stop(EngineError("the vLLM engine was closed"))
                 return
             # the loop takes no more work after this: to the server the engine is dead either way
-            log.error("the vLLM engine died: %s", exc, exc_info=not marked_dead(self._client))
-            self._stop(EngineDeadError(f"the vLLM engine died: {exc}"))
+            dead = marked_dead(self._client)
+            log.error("the vLLM engine died: %s", exc, exc_info=not dead)
+            self._stop(EngineDeadError(f"the vLLM engine died: {(self._explain() if dead else None) or exc}"))
 
     def _watch(self) -> None:
         """When vLLM's monitor finds an engine-core process gone it shuts its client down, which
@@ -149,7 +157,8 @@ class EngineLoop:
         while not self._stopped.wait(WATCH_S):
             if self._closing or not marked_dead(self._client):
                 continue
-            error = EngineDeadError("the vLLM engine died: one of its processes exited (vLLM's log above says which)")
+            why = self._explain() or "one of its processes exited (vLLM's log above says which)"
+            error = EngineDeadError(f"the vLLM engine died: {why}")
             if self._fail(error):
                 log.error("%s", error)
             outputs = getattr(self._client, "outputs_queue", None)
@@ -191,8 +200,11 @@ class EngineLoop:
 
         added = []
         try:
-            for request_id, prompt, params in requests:
-                engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            # rendered as vLLM's input processor would render raw prompts, which it warns is deprecated
+            # (v1/engine/input_processor.py:407-428; the renderer: v1/engine/llm_engine.py:98)
+            inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=p) for _, p, _ in requests])
+            for (request_id, _, params), prompt in zip(requests, inputs):
+                engine.add_request(request_id, prompt, params)
                 with self._lock:
                     if self._failed is not None:  # the watcher failed the loop meanwhile
                         raise self._refusal()

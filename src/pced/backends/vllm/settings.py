@@ -34,13 +34,20 @@ class VLLMSettings:
     # documents' KV read from the store's caches (pced's KV connector); False: vLLM prefills them; None: on where
     # the connector can serve the model (fit.with_store_kv: not latent attention or recurrent layers)
     store_kv: bool | None = None
-    kv_cache_gb: float | None = None  # the engine's KV cache, GiB (vLLM's kv_cache_memory_bytes); None: from the memory share
+    # the whole engine's KV cache, GiB, split evenly over its ranks (vLLM's kv_cache_memory_bytes is a rank's);
+    # None: from the memory share
+    kv_cache_gb: float | None = None
     warm_up: bool = False  # pced serve: prefill every stored document into the prefix cache at start
+    # pced serve, pced bench: answer one question over a made-up document before serving, so that the first
+    # client's question does not pay the engine's one-time costs (vLLM compiles its logprobs kernel on first use)
+    warm_start: bool = True
 
     # The platform values of the fields left None. CUDA: bf16/fp16 weights (an 8B model is 16 GB, not
-    # 32), 0.85 of the GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
+    # 32), 0.85 of each GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
     # on the window, which bounds the prefill budget (whole prefills need max_num_batched_tokens >=
-    # max_model_len: vllm/config/scheduler.py:315-327).
+    # max_model_len: vllm/config/scheduler.py:315-327). CPU: 0.3 of the machine's memory for the whole
+    # engine; vLLM's CPU worker takes the share for each rank (v1/worker/cpu_worker.py:72-76, :234-236),
+    # so each rank gets 0.3 / tensor_parallel_size (for_platform).
     PLATFORM: ClassVar[dict[str, dict]] = {
         "cpu": {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True, "max_model_len": None},
         "cuda": {"dtype": "auto", "gpu_memory_utilization": 0.85, "enforce_eager": False, "max_model_len": 16384},
@@ -62,7 +69,10 @@ class VLLMSettings:
     def for_platform(self, cuda: bool) -> "VLLMSettings":
         """These settings with every field left None set to its platform's value."""
         table = self.PLATFORM["cuda" if cuda else "cpu"]
-        return replace(self, **{k: v for k, v in table.items() if getattr(self, k) is None})
+        values = {k: v for k, v in table.items() if getattr(self, k) is None}
+        if not cuda and "gpu_memory_utilization" in values:  # ranks share one machine's memory
+            values["gpu_memory_utilization"] /= self.tensor_parallel_size
+        return replace(self, **values)
 
     def kv_transfer(self) -> dict:
         path = Path(self.kv_transfer_config)
@@ -77,10 +87,15 @@ class VLLMSettings:
 
     def engine_args(self) -> dict:
         """``vllm.LLM``'s arguments (pced's connector alone is added by the engine: ``store_kv``)."""
-        own = ("store_kv", "kv_cache_gb", "warm_up")
+        own = ("store_kv", "kv_cache_gb", "warm_up", "warm_start")
         args = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
         if self.kv_transfer_config is not None:
             args["kv_transfer_config"] = tiered_config(self.kv_transfer()) if self.store_kv else self.kv_transfer()
         if self.kv_cache_gb is not None:
-            args["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+            args["kv_cache_memory_bytes"] = self.rank_kv_cache_bytes()
         return args
+
+    def rank_kv_cache_bytes(self) -> int | None:
+        """A rank's share of ``kv_cache_gb`` in bytes: what vLLM sizes each rank's KV cache by
+        (``kv_cache_memory_bytes``: v1/worker/cpu_worker.py:216-229, v1/worker/gpu_worker.py:649-669)."""
+        return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30 / self.tensor_parallel_size)

@@ -95,7 +95,9 @@ def compared(demo_stores, tiny_store, tmp_path_factory) -> dict[str, list[dict]]
     result = subprocess.run([sys.executable, str(COMPARE), str(path)], capture_output=True, text=True, timeout=2400)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines[0] == {"weights_here": 0}  # every vLLM answer given, no causal LM with weights in pced's process
+    # every vLLM answer given: no causal LM with weights in pced's process, and one engine for each
+    # distinct setting (the float16 and int8 stores share one)
+    assert lines[0] == {"weights_here": 0, "engines": len({json.dumps(s, sort_keys=True) for _, s, _ in JOBS.values()})}
     assert lines[-1] == {"closed": True}  # every engine was released
     rows = {name: [line for line in lines[1:-1] if line["job"] == name] for name in JOBS}
     for name, job_rows in rows.items():

@@ -49,6 +49,7 @@ def forget(engine) -> None:
 
 
 def main() -> None:
+    from pced.backend import get_backend
     from pced.backends.vllm.engine import close_engines, shared_engine
     from pced.backends.vllm.settings import VLLMSettings
     from pced.decoding.sampling import SamplingConfig
@@ -63,7 +64,9 @@ def main() -> None:
         # arithmetic and the betas agree to float32 rounding (the test's 1e-4)
         model = store.model_for("vllm")  # its config, tokenizer and chat template: the engine loads the weights
         settings = VLLMSettings(**{"dtype": str(model.dtype).removeprefix("torch."), **job["settings"]})
-        job.update(open_store=store, vllm_settings=settings, engine=shared_engine(model.path, settings))
+        # the engine ask() uses: the settings as the backend resolves them (store_kv None -> on or off)
+        engine = shared_engine(model.path, get_backend("vllm").engine_settings(model, settings))
+        job.update(open_store=store, vllm_settings=settings, engine=engine)
     base = AskOptions(top_k=4, top_n=30, rerank=False, sampling=SamplingConfig(max_new_tokens=32))
     used = set()
     for job in jobs:  # every vLLM answer before the first transformers one
@@ -80,7 +83,8 @@ def main() -> None:
             job["served"].append((question, asked.json(), asked.answer().stats,
                                   only_the_question(builder, asked, settings.block_size)))
         job["engine_core"] = type(engine.loop.llm.llm_engine.engine_core).__name__  # SyncMPClient: its own process
-    print(json.dumps({"weights_here": causal_lms_with_weights()}), flush=True)
+    print(json.dumps({"weights_here": causal_lms_with_weights(),  # and no engine but the jobs' own was started
+                      "engines": len(shared_engine.__globals__["_ENGINES"])}), flush=True)
     for job in jobs:
         print(json.dumps({"job": job["name"], "warm_up_tokens": job["warm_up_tokens"], "engine_core": job["engine_core"],
                           "reads_store": job["engine"].reads_store}), flush=True)

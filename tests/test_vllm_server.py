@@ -148,6 +148,31 @@ def test_questions_sent_together_decode_together_with_their_own_answers(server, 
     assert after["degraded_steps"] == before["degraded_steps"], log.read_text()[-2000:]
 
 
+def test_metrics_count_what_health_reports_and_hand_on_vllms_own(server):
+    """After the questions above: /metrics reads the engine's counts from what /health reports, the
+    answers' prompt tokens by source are the engine's counts, and vLLM's own statistics
+    (on by default for pced serve) follow pced's, counting the same requests."""
+    url, _ = server
+    engine = httpx.get(f"{url}/health").json()["backend"]
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    for count in ("questions", "prompt_tokens", "store_tokens", "cached_tokens", "prefilled_tokens"):
+        assert samples[f'pced_engine_total{{backend="vllm",count="{count}"}}'] == engine[count], count
+    # the answers' prompt tokens by source, observed as each ended: the engine's counts of the same questions
+    source = 'pced_prompt_tokens_total{{backend="vllm",source="{}"}}'
+    assert samples[source.format("store")] == engine["store_tokens"] > 0
+    assert samples[source.format("computed")] == engine["prefilled_tokens"] > 0
+    assert text.index("pced_engine_total") < text.index("# HELP vllm:")
+    # vLLM's prompt tokens: the clients' questions' and the warm start's rows, every pass
+    prompt = sum(v for k, v in samples.items() if k.startswith("vllm:prompt_tokens_total"))
+    assert prompt >= engine["prompt_tokens"] > 0
+    assert any(k.startswith("vllm:kv_cache_usage_perc") for k in samples)
+
+
 def test_sampling_on_the_vllm_backend_is_refused_with_a_clear_error(server):
     url, _ = server
     reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "pced", "temperature": 0.7, "max_tokens": 4,

@@ -81,11 +81,15 @@ class VLLMBackend(TransformersBackend):
             group.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=DEFAULTS.warm_start,
                                help="vllm: before serving, answer one question over a made-up document, so that the "
                                     "first client's question does not pay the engine's one-time costs (default: on)")
+        if command == "serve":
+            group.add_argument("--engine-stats", action=argparse.BooleanOptionalAction, default=DEFAULTS.engine_stats,
+                               help="vllm: keep vLLM's own statistics, served as its vllm:* metrics on /metrics "
+                                    f"(default: {'on' if DEFAULTS.engine_stats else 'off'})")
 
     def settings_from_args(self, args: argparse.Namespace) -> VLLMSettings:
         names = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "kv_transfer_config",
                  "enforce_eager", "max_model_len", "max_num_batched_tokens", "store_kv", "kv_cache_gb", "warm_up",
-                 "warm_start")
+                 "warm_start", "engine_stats")
         given = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if hasattr(args, "vllm_dtype"):
             given["dtype"] = args.vllm_dtype

@@ -41,6 +41,9 @@ class VLLMSettings:
     # pced serve, pced bench: answer one question over a made-up document before serving, so that the first
     # client's question does not pay the engine's one-time costs (vLLM compiles its logprobs kernel on first use)
     warm_start: bool = True
+    # vLLM's own statistics (its scheduler's and iterations'): the vllm:* metrics pced serve's /metrics hands on,
+    # at a few microseconds of host work per engine step (vLLM's LLM class keeps them off by default)
+    engine_stats: bool = True
 
     # The platform values of the fields left None. CUDA: bf16/fp16 weights (an 8B model is 16 GB, not
     # 32), 0.85 of each GPU (weights + KV; vLLM's own default is 0.9), CUDA graphs, and a 16k-token cap
@@ -87,8 +90,9 @@ class VLLMSettings:
 
     def engine_args(self) -> dict:
         """``vllm.LLM``'s arguments (pced's connector alone is added by the engine: ``store_kv``)."""
-        own = ("store_kv", "kv_cache_gb", "warm_up", "warm_start")
+        own = ("store_kv", "kv_cache_gb", "warm_up", "warm_start", "engine_stats")
         args = {k: v for k, v in asdict(self).items() if v is not None and k not in own}
+        args["disable_log_stats"] = not self.engine_stats
         if self.kv_transfer_config is not None:
             args["kv_transfer_config"] = tiered_config(self.kv_transfer()) if self.store_kv else self.kv_transfer()
         if self.kv_cache_gb is not None:

@@ -230,3 +230,35 @@ def test_index_and_ask_on_llamacpp(tmp_path, capsys):
     assert set(out) >= {"answer", "method", "experts", "trace", "beta", "timings"}
     assert {e["doc_id"] for e in out["experts"]} == {"obs", "lake"}
     assert out["answer"] == "".join(step["token"] for step in out["trace"]) != ""
+
+
+def _anon_mib() -> int:
+    """This process's anonymous resident memory (llama.cpp's allocations are anonymous), MiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("RssAnon"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_model_collected_or_closed_gives_llama_cpps_memory_back():
+    """A model's weights and its contexts' cells live in llama.cpp's allocations, which Python's
+    collector never sees: they are freed when the model is collected or closed, so a process that
+    loads models in turn (a test run, a server reopening its store) does not grow by one each time."""
+    import gc
+
+    _llama()
+    from pced.backends.llamacpp.model import LlamaModel
+
+    gc.collect()
+    before = _anon_mib()
+    model = LlamaModel()
+    model.context(8192, 8)
+    held = _anon_mib() - before
+    del model
+    gc.collect()
+    assert held > 500  # the repacked weights and a context of 8,192 cells
+    assert _anon_mib() - before < held / 4
+    closed = LlamaModel()
+    closed.context(4096, 4)
+    closed.close()
+    assert closed.handle is None and closed._contexts == {}

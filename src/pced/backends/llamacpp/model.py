@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from ...fingerprint import files_fingerprint
 from ...fingerprint import tokenizer_hash
 from ...llm import ModelLoadError, cache_root
 from . import cells as state_cells
+from .native import Native, free_context, free_model
 from .settings import LlamaSettings
 
 GGUF_MAGIC = b"GGUF"
@@ -157,9 +159,13 @@ class LlamaModel:
             -1 if self.lib.llama_supports_gpu_offload() else 0)  # -1: every layer
         params.n_gpu_layers = self.gpu_layers
         params.use_extra_bufts = self.repack_weights
-        self.handle = self.lib.llama_model_load_from_file(self.path.encode(), params)
+        self._native = Native(self.lib.llama_model_load_from_file(self.path.encode(), params))
         if not self.handle:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
+        # llama.cpp's memory is not Python's: the weights and every context are freed when the model is
+        # collected (or closed), contexts first; the finalizer holds the handles, never the objects
+        self._context_natives: list[Native] = []
+        self._finalizer = weakref.finalize(self, free_model, self.lib, self._native, self._context_natives)
         self.vocab = self.lib.llama_model_get_vocab(self.handle)
         self.plain_prompt = not getattr(self.tokenizer, "chat_template", None)
         if self.plain_prompt:  # a base model: no chat template in its GGUF
@@ -171,6 +177,15 @@ class LlamaModel:
         self.version = getattr(self.lib, "__version__", "") or _package_version()
         self._contexts: dict[str, LlamaContext] = {}
         self.lock = threading.RLock()  # one question at a time owns the context
+
+    @property
+    def handle(self):
+        return self._native.handle
+
+    def close(self) -> None:
+        """Free the model's contexts and weights in llama.cpp now (also done when it is collected)."""
+        self._contexts.clear()
+        self._finalizer()
 
     def model_record(self) -> dict:
         """What a store's manifest records about the GGUF that built it."""
@@ -208,12 +223,14 @@ class LlamaModel:
             if ctx is not None:
                 ctx.free()
                 del self._contexts[role]
+                self._context_natives[:] = [c._native for c in self._contexts.values()]
             if split:  # streams in eights and cells in 512s: a question a little larger reuses the context
                 n_seq = -(-max(sequences, 1) // 8) * 8
                 n_ctx = n_seq * (-(-max(longest, 1) // 512) * 512)
             else:
                 n_seq, n_ctx = max(sequences, 32), max(4096, 1 << (max(cells, 1) - 1).bit_length())
             self._contexts[role] = ctx = LlamaContext(self, n_ctx, n_seq, self.threads, split)
+            self._context_natives[:] = [c._native for c in self._contexts.values()]
         ctx.clear()
         return ctx
 
@@ -254,25 +271,24 @@ class LlamaContext:
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.kv_unified = not split
         params.no_perf = True
-        self.handle = lib.llama_init_from_model(model.handle, params)
+        self._native = Native(lib.llama_init_from_model(model.handle, params))
         if not self.handle:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells and {n_seq} sequences")
+        weakref.finalize(self, free_context, lib, self._native)
         # a split context has n_seq streams of n_ctx / n_seq cells each (src/llama-context.cpp:292-304;
         # one stream per sequence: src/llama-kv-cache.cpp:84), which its state bytes count (:2073)
         self.n_stream = n_seq if split else 1
         self.seq_cells = int(lib.llama_n_ctx_seq(self.handle))
         self.memory = lib.llama_get_memory(self.handle)
         self.n_vocab = model.n_vocab
-        self._batch = None
         self._batch_size = 0
 
+    @property
+    def handle(self):
+        return self._native.handle
+
     def free(self) -> None:
-        if self._batch is not None:
-            self.lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self.handle:
-            self.lib.llama_free(self.handle)
-            self.handle = None
+        free_context(self.lib, self._native)
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)
@@ -323,12 +339,14 @@ class LlamaContext:
                                "built by another llama.cpp version or model, or the context is full")
 
     def _batch_for(self, size: int):
+        native = self._native
         if size > self._batch_size:
-            if self._batch is not None:
-                self.lib.llama_batch_free(self._batch)
-            self._batch = self.lib.llama_batch_init(size, 0, 1)
+            if native.batch is not None:
+                self.lib.llama_batch_free(native.batch)
+                native.batch = None
+            native.batch = self.lib.llama_batch_init(size, 0, 1)
             self._batch_size = size
-        return self._batch
+        return native.batch
 
     def decode(self, tokens, positions, seqs, outputs) -> torch.Tensor:
         """Run entries (token, position, sequence, wants logits) through the model; returns the logits

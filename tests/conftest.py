@@ -10,7 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# with pytest-xdist (the README's test command: -n 2) the workers share the machine's cores
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,16 +22,26 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS_FIXTURES = {"embedded_tokenizer_dir", "tiny_model_dir", "tiny_llm", "embedded_llm"}
 
 
+# Slow tests that start vLLM engines: one worker runs them one after another, first (at its peak the
+# comparison's four engines and their processes hold about 11 GB beside the test processes).
+ENGINES = "vllm-engines"
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that asks for the embedded model is in the slow lane whether or not it says so; a test that
     asks for a model or tokenizer transformers builds is marked ``transformers_api`` (the lanes on both
-    ends of the transformers range run those: ``.ci/run``)."""
+    ends of the transformers range run those: ``.ci/run``). For pytest-xdist (``--dist loadgroup``) a
+    module's tests stay on one worker (its module fixtures are built once), and the tests that start
+    vLLM engines go to one worker, first."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if "embedded_llm" in fixtures and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
         if fixtures & TRANSFORMERS_FIXTURES and item.get_closest_marker("transformers_api") is None:
             item.add_marker(pytest.mark.transformers_api)
+        engines = item.path.name.startswith("test_vllm_") and item.get_closest_marker("slow") is not None
+        item.add_marker(pytest.mark.xdist_group(ENGINES if engines else item.path.name))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != ENGINES)  # stable
 
 
 @pytest.fixture(scope="session")

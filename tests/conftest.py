@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -22,26 +23,39 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS_FIXTURES = {"embedded_tokenizer_dir", "tiny_model_dir", "tiny_llm", "embedded_llm"}
 
 
-# Slow tests that start vLLM engines: one worker runs them one after another, first (at its peak the
-# comparison's four engines and their processes hold about 11 GB beside the test processes).
+# The vLLM test modules: one worker runs them one after another, first (they start engines: at its peak
+# the comparison's four engines and their processes hold about 11 GB beside the test processes).
 ENGINES = "vllm-engines"
 
 
 def pytest_collection_modifyitems(config, items):
     """A test that asks for the embedded model is in the slow lane whether or not it says so; a test that
     asks for a model or tokenizer transformers builds is marked ``transformers_api`` (the lanes on both
-    ends of the transformers range run those: ``.ci/run``). For pytest-xdist (``--dist loadgroup``) a
-    module's tests stay on one worker (its module fixtures are built once), and the tests that start
-    vLLM engines go to one worker, first."""
+    ends of the transformers range run those: ``.ci/run``). The tests that start vLLM engines go first."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if "embedded_llm" in fixtures and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
         if fixtures & TRANSFORMERS_FIXTURES and item.get_closest_marker("transformers_api") is None:
             item.add_marker(pytest.mark.transformers_api)
-        engines = item.path.name.startswith("test_vllm_") and item.get_closest_marker("slow") is not None
-        item.add_marker(pytest.mark.xdist_group(ENGINES if engines else item.path.name))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != ENGINES)  # stable
+    items.sort(key=lambda item: not _engines(item.nodeid))  # stable: the longest unit is scheduled first
+
+
+def _engines(nodeid: str) -> bool:
+    return Path(nodeid.split("::", 1)[0]).name.startswith("test_vllm_")
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_xdist_make_scheduler(config, log):
+        """pytest-xdist's workers take whole modules (a module's fixtures are built once), and every
+        vLLM test module goes to one worker, as one unit."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ModuleScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return ENGINES if _engines(nodeid) else nodeid.split("::", 1)[0]
+
+        return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

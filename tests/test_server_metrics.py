@@ -9,22 +9,13 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pced.documents import Document  # noqa: E402
 from pced.server import Limits, create_app  # noqa: E402
 from pced.store import DocumentStore, IndexSettings, index_store  # noqa: E402
 from helpers.server import CORPUS, QUESTION  # noqa: E402
-
-
-def samples(text: str) -> dict[tuple, float]:
-    """Every sample of a scrape: (name, sorted labels) -> value."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(scraped: dict, name: str, **labels) -> float:
-    return scraped[(name, tuple(sorted(labels.items())))]
+from helpers.server import metric as value  # noqa: E402
+from helpers.server import metric_samples as samples  # noqa: E402
 
 
 @pytest.fixture()

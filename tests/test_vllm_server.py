@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vll
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from helpers.server import free_port, wait_healthy
+from helpers.server import free_port, metric, metric_samples, wait_healthy
 
 PCED = {"top_k": 4, "top_n": 30, "rerank": False}
 MAX_TOKENS = 24
@@ -155,22 +155,18 @@ def test_metrics_count_what_health_reports_and_hand_on_vllms_own(server):
     url, _ = server
     engine = httpx.get(f"{url}/health").json()["backend"]
     text = httpx.get(f"{url}/metrics").text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    scraped = metric_samples(text)
     for count in ("questions", "prompt_tokens", "store_tokens", "cached_tokens", "prefilled_tokens"):
-        assert samples[f'pced_engine_total{{backend="vllm",count="{count}"}}'] == engine[count], count
+        assert metric(scraped, "pced_engine_total", backend="vllm", count=count) == engine[count], count
     # the answers' prompt tokens by source, observed as each ended: the engine's counts of the same questions
-    source = 'pced_prompt_tokens_total{{backend="vllm",source="{}"}}'
-    assert samples[source.format("store")] == engine["store_tokens"] > 0
-    assert samples[source.format("computed")] == engine["prefilled_tokens"] > 0
+    assert metric(scraped, "pced_prompt_tokens_total", backend="vllm", source="store") == engine["store_tokens"] > 0
+    assert metric(scraped, "pced_prompt_tokens_total", backend="vllm", source="computed") == \
+        engine["prefilled_tokens"] > 0
     assert text.index("pced_engine_total") < text.index("# HELP vllm:")
     # vLLM's prompt tokens: the clients' questions' and the warm start's rows, every pass
-    prompt = sum(v for k, v in samples.items() if k.startswith("vllm:prompt_tokens_total"))
+    prompt = sum(v for (name, _), v in scraped.items() if name == "vllm:prompt_tokens_total")
     assert prompt >= engine["prompt_tokens"] > 0
-    assert any(k.startswith("vllm:kv_cache_usage_perc") for k in samples)
+    assert any(name == "vllm:kv_cache_usage_perc" for name, _ in scraped)
 
 
 def test_sampling_on_the_vllm_backend_is_refused_with_a_clear_error(server):

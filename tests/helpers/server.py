@@ -89,3 +89,15 @@ def wait_healthy(process, url: str, log: Path, deadline: float) -> None:
                 return
         except httpx.HTTPError:
             time.sleep(0.5)
+
+
+def metric_samples(text: str) -> dict[tuple, float]:
+    """Every sample of a /metrics scrape: (name, sorted labels) -> value (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(scraped: dict, name: str, **labels) -> float:
+    return scraped[(name, tuple(sorted(labels.items())))]

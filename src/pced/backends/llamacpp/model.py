@@ -223,13 +223,13 @@ class LlamaModel:
             if ctx is not None:
                 ctx.free()
                 del self._contexts[role]
-                self._context_natives[:] = [c._native for c in self._contexts.values()]
             if split:  # streams in eights and cells in 512s: a question a little larger reuses the context
                 n_seq = -(-max(sequences, 1) // 8) * 8
                 n_ctx = n_seq * (-(-max(longest, 1) // 512) * 512)
             else:
                 n_seq, n_ctx = max(sequences, 32), max(4096, 1 << (max(cells, 1) - 1).bit_length())
             self._contexts[role] = ctx = LlamaContext(self, n_ctx, n_seq, self.threads, split)
+            # the finalizer's list (a freed context's handle is None: freeing it again does nothing)
             self._context_natives[:] = [c._native for c in self._contexts.values()]
         ctx.clear()
         return ctx
